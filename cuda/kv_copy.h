@@ -1,0 +1,147 @@
+/*
+ * kvcached CUDA copy engine: C API of libkvc_copy.so.
+ *
+ * One call moves a list of (src block, dst block) pairs for every KV plane
+ * between the engine's layer-first device planes and the block-major host
+ * pool (docs/architecture.md §3-4):
+ *
+ *   device: plane p, block b  at  dev_base_p + b * dev_stride_p   (nbytes_p contiguous)
+ *   host:   block h, plane p  at  host_base + h * host_block_bytes + host_offset_p
+ *
+ * host_base is the device-visible (UVA) address of pinned host memory.
+ *
+ * Every entry point validates all of its inputs before its first CUDA call
+ * and returns a kvc_status; kvc_last_error() then explains the failure. The
+ * header has no CUDA or framework dependency so it can be read from ctypes,
+ * C or C++.
+ */
+#ifndef KVCACHED_KV_COPY_H_
+#define KVCACHED_KV_COPY_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever a signature or struct below changes; Python checks it. */
+#define KVC_ABI_VERSION 1
+
+#define KVC_HOST_ALIGN 16          /* host pool base, block bytes, plane offsets */
+#define KVC_MAX_PLANES 4096        /* layers x (K, V, scale) of any real model fits */
+#define KVC_MAX_PAIRS (1 << 22)    /* per call; keeps unit counts far from overflow */
+#define KVC_MAX_GRID_BLOCKS 1024   /* the grid is meant to be small: it shares SMs */
+#define KVC_MAX_BLOCK_THREADS 512  /* the kernel's __launch_bounds__ (spill-free registers) */
+#define KVC_IPC_HANDLE_BYTES 64    /* cudaIpcMemHandle_t / cudaIpcEventHandle_t */
+
+typedef enum kvc_status {
+  KVC_OK = 0,
+  KVC_ERR_NULL_POINTER = 1,    /* a required pointer (task, plane base, ids, ...) is null */
+  KVC_ERR_MISALIGNED = 2,      /* host base/offset/size not 16-byte aligned, ids not 4 */
+  KVC_ERR_BAD_COUNT = 3,       /* pair count <= 0 or > KVC_MAX_PAIRS */
+  KVC_ERR_ID_OUT_OF_RANGE = 4, /* a block id outside its pool */
+  KVC_ERR_DUPLICATE_DST = 5,   /* two pairs write the same destination block */
+  KVC_ERR_BAD_PLANE_COUNT = 6, /* num_planes <= 0 or > KVC_MAX_PLANES */
+  KVC_ERR_BAD_PLANE = 7,       /* a plane entry is inconsistent (size, stride, span) */
+  KVC_ERR_BAD_DIRECTION = 8,   /* direction is neither KVC_D2H nor KVC_H2D */
+  KVC_ERR_BAD_GRID = 9,        /* grid blocks / threads per block out of range */
+  KVC_ERR_WORKSPACE = 10,      /* workspace smaller than kvc_workspace_bytes() */
+  KVC_ERR_BAD_POOL = 11,       /* pool sizes <= 0, host block bytes 0, address overflow */
+  KVC_ERR_HOST_ALLOC = 12,     /* the launcher could not allocate host scratch memory */
+  KVC_ERR_BAD_ARGUMENT = 13,   /* any other invalid argument (sizes, flags) */
+  KVC_ERR_CUDA_BASE = 1000     /* KVC_ERR_CUDA_BASE + cudaError_t: a CUDA call failed */
+} kvc_status;
+
+typedef enum kvc_direction {
+  KVC_D2H = 0, /* swap_out: device planes -> host pool */
+  KVC_H2D = 1  /* swap_in:  host pool -> device planes */
+} kvc_direction;
+
+/* One KV plane. Any device alignment works (the kernel picks the widest
+ * vector both sides allow); host offsets must be 16-byte aligned. */
+typedef struct kvc_plane {
+  uint64_t dev_base;    /* device address of block 0 of this plane */
+  uint64_t dev_stride;  /* bytes between consecutive blocks (>= nbytes) */
+  uint64_t nbytes;      /* bytes of one block of this plane, contiguous */
+  uint64_t host_offset; /* offset of this plane inside a host block span */
+} kvc_plane_t;
+
+/* One copy task. All arrays are host memory owned by the caller; the call
+ * does not keep them (the kernel path stages them into the workspace). */
+typedef struct kvc_task {
+  const kvc_plane_t* planes;
+  int32_t num_planes;
+  int32_t direction;        /* kvc_direction */
+  const int32_t* src_ids;   /* device ids for D2H, host ids for H2D */
+  const int32_t* dst_ids;   /* host ids for D2H, device ids for H2D */
+  int32_t count;            /* number of pairs */
+  int32_t reserved;         /* must be 0 */
+  int64_t num_dev_blocks;   /* device pool size: ids are in [0, num_dev_blocks) */
+  int64_t num_host_blocks;  /* host pool size */
+  uint64_t host_base;       /* device-visible address of host block 0 */
+  uint64_t host_block_bytes;/* bytes of one host block span (all planes) */
+} kvc_task_t;
+
+/* ---- introspection (no CUDA calls) ------------------------------------ */
+int kvc_abi_version(void);
+int kvc_cudart_build_version(void);      /* CUDART_VERSION this library was built with */
+int kvc_has_batch_memcpy(void);          /* 1 if cudaMemcpyBatchAsync is compiled in */
+const char* kvc_status_name(int status); /* "KVC_ERR_MISALIGNED", "cudaErrorNoDevice", ... */
+const char* kvc_last_error(void);        /* detail of this thread's last failure */
+
+/* ---- copies --------------------------------------------------------------- */
+/* Bytes of device workspace the kernel path needs, or -1 for invalid sizes. */
+int64_t kvc_workspace_bytes(int32_t num_planes, int32_t count);
+
+/* Validates a task without touching any device. */
+int kvc_validate_task(const kvc_task_t* task);
+
+/* Kernel path: one launch of grid_blocks x block_threads on `stream` (a
+ * cudaStream_t; NULL = legacy default stream), after waiting on `wait_event`
+ * (a cudaEvent_t, may be NULL). `workspace` is device memory of at least
+ * kvc_workspace_bytes(); it is reused stream-ordered, so one workspace per
+ * stream. Returns once the work is enqueued. */
+int kvc_copy_kernel(const kvc_task_t* task, void* workspace, uint64_t workspace_bytes,
+                    int32_t grid_blocks, int32_t block_threads, void* stream,
+                    void* wait_event);
+
+/* Direct path: cudaMemcpy2DAsync per (run of consecutive ids, plane), or
+ * one cudaMemcpyBatchAsync when use_batch and the toolkit has it (falls
+ * back to per-run copies on the legacy default stream). */
+int kvc_copy_direct(const kvc_task_t* task, int32_t use_batch, void* stream, void* wait_event);
+
+/* Runs the kernel's exact per-thread code on the CPU over host addresses
+ * (dev_base and host_base are plain host pointers). For tests without a GPU. */
+int kvc_emulate_kernel(const kvc_task_t* task, int32_t grid_blocks, int32_t block_threads);
+
+/* ---- thin CUDA runtime helpers (each returns a kvc_status) -------------- */
+int kvc_device_count(int32_t* count);
+int kvc_set_device(int32_t device);
+int kvc_malloc(uint64_t nbytes, void** out);
+int kvc_free(void* ptr);
+int kvc_host_alloc(uint64_t nbytes, void** out); /* pinned, mapped, portable */
+int kvc_host_free(void* ptr);
+int kvc_host_register(void* ptr, uint64_t nbytes); /* mapped + portable */
+int kvc_host_unregister(void* ptr);
+int kvc_host_device_pointer(void* host_ptr, void** out);
+int kvc_memcpy_async(void* dst, const void* src, uint64_t nbytes, void* stream);
+int kvc_stream_create(void** out);               /* non-blocking stream */
+int kvc_stream_destroy(void* stream);
+int kvc_stream_synchronize(void* stream);
+int kvc_stream_wait_event(void* stream, void* event);
+int kvc_event_create(int32_t interprocess, void** out); /* timing disabled */
+int kvc_event_destroy(void* event);
+int kvc_event_record(void* event, void* stream);
+int kvc_event_synchronize(void* event);
+int kvc_event_query(void* event);                /* KVC_OK when done */
+int kvc_event_ipc_handle(void* event, uint8_t* out_handle);
+int kvc_event_open_ipc(const uint8_t* handle, void** out);
+int kvc_ipc_get_mem_handle(void* dev_ptr, uint8_t* out_handle);
+int kvc_ipc_open_mem_handle(const uint8_t* handle, void** out);
+int kvc_ipc_close_mem_handle(void* dev_ptr);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVCACHED_KV_COPY_H_ */

@@ -1,0 +1,241 @@
+"""CacheConfig: one validated configuration for the manager and the workers.
+
+Sources, later ones win: the TOML file (the embedded ``default.toml`` when no
+path is given), environment variables ``KVCACHED_<FIELD>``, keyword overrides.
+Everything is checked at load time; an error names the field, the value and
+what is allowed, so a bad setting never surfaces later as a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from kvcached.layout import DTYPE_SIZES, KVLayout
+
+DEFAULT_TOML = Path(__file__).with_name("default.toml")
+ENV_PREFIX = "KVCACHED_"
+
+TRANSFER_MODES = ("workers", "inprocess")
+STORAGE_BACKENDS = (None, "file", "mooncake", "redis")
+DEVICES = ("cpu", "cuda")
+LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """All settings of one kvcached deployment (see ``default.toml`` for docs)."""
+
+    model_id: str = "kvcached-demo"
+    weight_version: str = "0"
+    salt: str = ""
+    num_layers: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float32"
+    mla: bool = False
+    tp_size: int = 1
+    block_size: int = 16
+    num_gpu_blocks: int = 512
+    num_cpu_blocks: int = 2048
+    device: str = "cpu"
+    transfer_mode: str = "workers"
+    create_cache: bool = False
+    run_dir: str = ""
+    log_dir: str = ""
+    spawn_workers: bool = True
+    worker_start_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
+    worker_timeout_s: float = 3.0
+    engine_timeout_s: float = 10.0
+    task_timeout_s: float = 30.0
+    max_worker_restarts: int = 3
+    copy_threads: int = 1
+    storage_backend: str | None = None
+    storage_url: str = ""
+    storage_load_policy: str = "best_effort"
+    storage_load_timeout_s: float = 1.0
+    storage_min_load_blocks: int = 1
+    storage_max_bytes: int = 0
+    check_host_memory: bool = True
+
+    # ------------------------------------------------------------------ load
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, **overrides: Any) -> CacheConfig:
+        """TOML (embedded default when ``path`` is None), then env, then kwargs."""
+        values = _read_toml(Path(path) if path else DEFAULT_TOML)
+        values.update(_read_env())
+        values.update(overrides)
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CacheConfig:
+        """Build and validate from a plain dict (unknown keys are an error)."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown config key(s) {unknown}; allowed keys: {sorted(known)}")
+        kwargs = {k: _coerce(k, v, known[k]) for k, v in values.items()}
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (msgpack/JSON friendly) that ``from_dict`` accepts back."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> CacheConfig:
+        """A validated copy with some fields changed."""
+        return CacheConfig.from_dict({**self.to_dict(), **changes})
+
+    # -------------------------------------------------------------- validate
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field, its value and the fix."""
+        _positive(self, "num_layers", "num_kv_heads", "head_dim", "tp_size",
+                  "block_size", "num_gpu_blocks", "copy_threads")
+        _non_negative(self, "num_cpu_blocks", "max_worker_restarts",
+                      "storage_min_load_blocks", "storage_max_bytes")
+        _positive(self, "worker_start_timeout_s", "heartbeat_interval_s",
+                  "worker_timeout_s", "engine_timeout_s", "task_timeout_s",
+                  "storage_load_timeout_s")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.heartbeat_interval_s >= self.worker_timeout_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be smaller than "
+                f"worker_timeout_s ({self.worker_timeout_s})")
+        _choice(self, "dtype", tuple(DTYPE_SIZES))
+        _choice(self, "device", DEVICES)
+        _choice(self, "transfer_mode", TRANSFER_MODES)
+        _choice(self, "storage_backend", STORAGE_BACKENDS)
+        _choice(self, "storage_load_policy", LOAD_POLICIES)
+        if self.storage_backend in ("mooncake", "redis") and not self.storage_url:
+            raise ValueError(
+                f"storage_url must be set for storage_backend={self.storage_backend!r} "
+                "(e.g. 127.0.0.1:50051 for mooncake, redis://127.0.0.1:6379 for redis)")
+        if not self.model_id:
+            raise ValueError("model_id must be a non-empty string, got ''")
+        if self.check_host_memory:
+            _check_host_memory(self)
+
+    # --------------------------------------------------------------- derived
+    @property
+    def layout(self) -> KVLayout:
+        """The per-rank KV plane layout derived from the model settings."""
+        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, block_size=self.block_size,
+                        dtype=self.dtype, mla=self.mla)
+
+    @property
+    def cpu_tier_enabled(self) -> bool:
+        return self.num_cpu_blocks > 0
+
+
+# ------------------------------------------------------------------ helpers
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from e
+
+
+def _read_env() -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(CacheConfig)}
+    out: dict[str, Any] = {}
+    for key, value in os.environ.items():
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX):].lower()
+            if name in names:  # other KVCACHED_* (e.g. LOG_LEVEL) are not config
+                out[name] = value
+    return out
+
+
+def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
+    """Turn TOML/env values into the field's type; strings come from env vars."""
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if name == "storage_backend":
+        return None if value in (None, "", "none", "None") else value
+    if isinstance(default, bool):
+        if isinstance(value, str):
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{name} must be a boolean (true/false), got {value!r}")
+    if isinstance(default, int):
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if isinstance(default, float):
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _positive(cfg: CacheConfig, *names: str) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        if not v > 0:
+            raise ValueError(f"{n} must be > 0, got {v}")
+
+
+def _non_negative(cfg: CacheConfig, *names: str) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        if v < 0:
+            raise ValueError(f"{n} must be >= 0, got {v}")
+
+
+def _choice(cfg: CacheConfig, name: str, allowed: tuple) -> None:
+    v = getattr(cfg, name)
+    if v not in allowed:
+        shown = ", ".join("none" if a is None else repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {shown}; got {v!r}")
+
+
+def available_host_memory() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_host_memory(cfg: CacheConfig) -> None:
+    """Host pools of every rank (and CPU-backend device planes) must fit in RAM."""
+    layout = cfg.layout
+    need = cfg.num_cpu_blocks * layout.block_bytes * cfg.tp_size
+    if cfg.device == "cpu":
+        need += cfg.num_gpu_blocks * layout.block_bytes * cfg.tp_size
+    avail = available_host_memory()
+    if need > avail:
+        raise ValueError(
+            f"num_cpu_blocks={cfg.num_cpu_blocks} needs {need / 2**30:.2f} GiB of host memory "
+            f"for {cfg.tp_size} rank(s) ({layout.block_bytes} bytes per block), but only "
+            f"{avail / 2**30:.2f} GiB is available; lower num_cpu_blocks"
+            + (" or num_gpu_blocks" if cfg.device == "cpu" else ""))

@@ -1,0 +1,354 @@
+"""CpuCopyEngine: move KV blocks between device planes and the host pool on the CPU.
+
+The device side is a list of planes (one tensor per layer K/V/scale, dim 0 =
+block, each block one contiguous run of bytes); the host side is the
+block-major pool ``[num_cpu_blocks, block_bytes]`` with plane p of a block at
+``host_offsets[p]`` (see ``kvcached.layout``).
+
+Two backends do the same thing:
+
+- ``native``: ``cuda/cpu_copy.c``, built lazily and called through ctypes,
+  which releases the GIL for the call; memcpy per block-plane, optionally
+  split over pthreads. About memcpy speed.
+- ``torch``: ``copy_`` between byte views, one per run of consecutive ids
+  and plane; used when no compiler is available or ``KVCACHED_NO_NATIVE=1``.
+
+Every id is checked before any byte moves: a bad id raises ValueError naming
+it, and neither side is touched. The C library checks again on its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcached.copy.native_build import build_shared_library
+
+logger = logging.getLogger(__name__)
+
+NATIVE_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "cpu_copy.c"
+NATIVE_FLAGS = ("-std=c11", "-Wextra", "-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-pthread")
+TO_HOST, TO_DEVICE = 0, 1  # directions understood by kvc_cpu_copy
+ERR_DEVICE_ID, ERR_HOST_ID = -4, -5  # kvc_cpu_copy codes that carry the index of the bad id
+
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None  # why the native library is unavailable: not retried
+
+
+def native_disabled() -> bool:
+    """True when ``KVCACHED_NO_NATIVE`` asks for the torch fallback."""
+    return os.environ.get("KVCACHED_NO_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def load_native() -> ctypes.CDLL:
+    """Build (once, cached on disk) and load the native copy library.
+
+    Raises RuntimeError saying why when it cannot be built or loaded; the
+    failure is remembered so later calls don't retry the compiler.
+    """
+    global _lib, _lib_error
+    with _lib_lock:
+        if _lib is None and _lib_error is None:
+            try:
+                _lib = _open_library(build_shared_library("kvc_cpu_copy", [NATIVE_SOURCE],
+                                                          flags=NATIVE_FLAGS))
+            except (OSError, RuntimeError) as e:
+                _lib_error = f"{type(e).__name__}: {e}"
+        if _lib is None:
+            raise RuntimeError(f"native CPU copy library unavailable: {_lib_error}")
+        return _lib
+
+
+def _open_library(path: Path) -> ctypes.CDLL:
+    # CDLL (not PyDLL): ctypes drops the GIL for the duration of every call.
+    lib = ctypes.CDLL(str(path))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.kvc_cpu_copy.argtypes = [ptr, ptr, ptr, ptr, i32, i64, ptr, i64, i64,
+                                 ptr, ptr, i64, i32, i32, ptr]
+    lib.kvc_cpu_copy.restype = ctypes.c_int
+    lib.kvc_cpu_copy_strerror.argtypes = [ctypes.c_int]
+    lib.kvc_cpu_copy_strerror.restype = ctypes.c_char_p
+    return lib
+
+
+class CpuCopyEngine:
+    """Copies blocks between ``planes`` and ``host_pool`` for all planes in one call.
+
+    ``native=None`` uses the native library when it builds and loads, else
+    the torch fallback (warned once); ``True`` requires it; ``False`` never
+    uses it. ``KVCACHED_NO_NATIVE=1`` forces the fallback unless ``native=True``.
+    ``threads`` only affects the native backend (large copies are split).
+    """
+
+    def __init__(self, planes: list[torch.Tensor], host_pool: torch.Tensor,
+                 host_offsets: Sequence[int], threads: int = 1, native: bool | None = None):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        self.threads = threads
+        self.planes = list(planes)  # kept alive: the C side holds raw pointers into them
+        self.host_pool = host_pool
+        self.num_device_blocks = _check_planes(self.planes)
+        self.num_host_blocks, self.host_block_bytes = _check_host_pool(host_pool)
+        elem = [p.element_size() for p in self.planes]
+        self.plane_bytes = [_numel(p) * e for p, e in zip(self.planes, elem, strict=True)]
+        self.stride_bytes = [p.stride(0) * e for p, e in zip(self.planes, elem, strict=True)]
+        self.host_offsets = _check_offsets(host_offsets, self.plane_bytes, self.host_block_bytes)
+        self.backend = self._pick_backend(native)
+        if self.backend == "native":
+            self._init_native()
+        else:
+            self._init_torch()
+
+    # ------------------------------------------------------------ public API
+    @property
+    def bytes_per_block(self) -> int:
+        """Payload bytes moved per block (all planes, without host padding)."""
+        return sum(self.plane_bytes)
+
+    def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> int:
+        """Copy device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``; returns bytes moved."""
+        dev, host = self._check_ids(device_ids, host_ids)
+        _check_unique(host, "host")
+        return self._copy(dev, host, TO_HOST)
+
+    def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> int:
+        """Copy host blocks ``host_ids[i]`` to device blocks ``device_ids[i]``; returns bytes moved."""
+        dev, host = self._check_ids(device_ids, host_ids)
+        _check_unique(dev, "device")
+        return self._copy(dev, host, TO_DEVICE)
+
+    # ------------------------------------------------------------ validation
+    def _check_ids(self, device_ids: Sequence[int], host_ids: Sequence[int]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        dev = _as_ids(device_ids, "device")
+        host = _as_ids(host_ids, "host")
+        if dev.size != host.size:
+            raise ValueError(f"got {dev.size} device ids but {host.size} host ids; "
+                             "they pair up one to one, so the lengths must match")
+        _check_range(dev, self.num_device_blocks, "device")
+        _check_range(host, self.num_host_blocks, "host")
+        return dev, host
+
+    def _copy(self, dev: np.ndarray, host: np.ndarray, direction: int) -> int:
+        if dev.size == 0:
+            return 0
+        if self.backend == "native":
+            self._copy_native(dev, host, direction)
+        else:
+            self._copy_torch(dev, host, direction)
+        return int(dev.size) * self.bytes_per_block
+
+    # ---------------------------------------------------------------- native
+    def _pick_backend(self, native: bool | None) -> str:
+        if native is False or (native is None and native_disabled()):
+            return "torch"
+        try:
+            self._lib = load_native()
+        except RuntimeError as e:
+            if native:
+                raise
+            _warn_fallback_once(str(e))
+            return "torch"
+        return "native"
+
+    def _init_native(self) -> None:
+        # Pointer tables built once (kept alive as attributes); each call only
+        # marshals the two id arrays. Addresses are cached as ints because
+        # ndarray.ctypes costs ~2 us per access.
+        self._ptrs = np.array([p.data_ptr() for p in self.planes], dtype=np.uint64)
+        self._strides = np.array(self.stride_bytes, dtype=np.int64)
+        self._nbytes = np.array(self.plane_bytes, dtype=np.int64)
+        self._offsets = np.array(self.host_offsets, dtype=np.int64)
+        self._table_args = (self._ptrs.ctypes.data, self._strides.ctypes.data,
+                            self._nbytes.ctypes.data, self._offsets.ctypes.data,
+                            len(self.planes), self.num_device_blocks, self.host_pool.data_ptr(),
+                            self.host_block_bytes, self.num_host_blocks)
+
+    def _copy_native(self, dev: np.ndarray, host: np.ndarray, direction: int) -> None:
+        err_index = ctypes.c_int64(-1)  # per call, so threads may share the engine
+        rc = self._lib.kvc_cpu_copy(*self._table_args, dev.ctypes.data, host.ctypes.data,
+                                    dev.size, direction, self.threads,
+                                    ctypes.addressof(err_index))
+        if rc != 0:
+            raise ValueError(native_error(self._lib, rc, err_index.value, dev, host,
+                                          self.num_device_blocks, self.num_host_blocks))
+
+    # ----------------------------------------------------------------- torch
+    def _init_torch(self) -> None:
+        # Byte views [num_blocks, plane_bytes] over each plane and over the host
+        # pool's slot of that plane: copy_ between them allocates nothing.
+        self._dev_views = [_byte_view(p, nb) for p, nb in zip(self.planes, self.plane_bytes,
+                                                               strict=True)]
+        self._host_views = [self.host_pool[:, off:off + nb]
+                            for off, nb in zip(self.host_offsets, self.plane_bytes, strict=True)]
+
+    def _copy_torch(self, dev: np.ndarray, host: np.ndarray, direction: int) -> None:
+        # One copy_ per run of ids consecutive on both sides: far fewer Python
+        # round trips than per block when the pools hand out neighbours.
+        for d0, h0, n in _runs(dev, host):
+            for dv, hv in zip(self._dev_views, self._host_views, strict=True):
+                src, dst = dv[d0:d0 + n], hv[h0:h0 + n]
+                if direction == TO_DEVICE:
+                    src, dst = dst, src
+                dst.copy_(src)
+
+
+# -------------------------------------------------------------------- helpers
+def native_error(lib: ctypes.CDLL, rc: int, index: int, dev: np.ndarray, host: np.ndarray,
+                 num_device_blocks: int, num_host_blocks: int) -> str:
+    """Message for a non-zero ``kvc_cpu_copy`` code, naming the bad id when there is one."""
+    msg = f"native CPU copy rejected the task (code {rc}: {lib.kvc_cpu_copy_strerror(rc).decode()})"
+    if rc == ERR_DEVICE_ID and 0 <= index < dev.size:
+        msg += f": device block id {dev[index]} at index {index}, allowed 0..{num_device_blocks - 1}"
+    elif rc == ERR_HOST_ID and 0 <= index < host.size:
+        msg += f": host block id {host[index]} at index {index}, allowed 0..{num_host_blocks - 1}"
+    elif index >= 0:
+        msg += f" at index {index}"
+    return msg
+
+
+def _warn_fallback_once(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("using the torch CPU copy fallback (slower): %s", reason)
+
+
+_warned = False
+
+
+def _numel(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def _check_planes(planes: list[torch.Tensor]) -> int:
+    """Validate the device planes; return their common number of blocks."""
+    if not planes:
+        raise ValueError("planes must hold at least one tensor")
+    num_blocks = None
+    for i, p in enumerate(planes):
+        if not isinstance(p, torch.Tensor) or p.device.type != "cpu":
+            raise ValueError(f"plane {i} must be a CPU tensor, got "
+                             f"{getattr(p, 'device', type(p).__name__)}")
+        if p.dim() < 1:
+            raise ValueError(f"plane {i} must have a block dimension (dim 0), got a scalar")
+        if not _contiguous_from_dim1(p):
+            raise ValueError(f"plane {i} (shape {tuple(p.shape)}, stride {p.stride()}) must be "
+                             "contiguous from dim 1 on: each block one run of bytes")
+        if p.size(0) > 1 and p.stride(0) < _numel(p):
+            raise ValueError(f"plane {i}: block stride {p.stride(0)} is smaller than a block "
+                             f"({_numel(p)} elements), blocks would overlap")
+        if num_blocks is not None and p.size(0) != num_blocks:
+            raise ValueError(f"plane {i} has {p.size(0)} blocks but plane 0 has {num_blocks}; "
+                             "all planes must have the same number of blocks")
+        num_blocks = p.size(0)
+    return num_blocks
+
+
+def _contiguous_from_dim1(t: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check_host_pool(host_pool: torch.Tensor) -> tuple[int, int]:
+    if (not isinstance(host_pool, torch.Tensor) or host_pool.device.type != "cpu"
+            or host_pool.dtype != torch.uint8 or host_pool.dim() != 2
+            or not host_pool.is_contiguous()):
+        desc = (f"{host_pool.dtype} {tuple(host_pool.shape)} on {host_pool.device}"
+                if isinstance(host_pool, torch.Tensor) else type(host_pool).__name__)
+        raise ValueError("host_pool must be a contiguous CPU uint8 tensor "
+                         f"[num_cpu_blocks, block_bytes], got {desc}")
+    return host_pool.size(0), host_pool.size(1)
+
+
+def _check_offsets(host_offsets: Sequence[int], plane_bytes: list[int],
+                   block_bytes: int) -> list[int]:
+    offs = [int(o) for o in host_offsets]
+    if len(offs) != len(plane_bytes):
+        raise ValueError(f"got {len(offs)} host offsets for {len(plane_bytes)} planes")
+    spans = sorted((o, o + nb, p) for p, (o, nb) in enumerate(zip(offs, plane_bytes, strict=True)))
+    for o, end, p in spans:
+        if o < 0 or end > block_bytes:
+            raise ValueError(f"plane {p}: host span [{o}, {end}) lies outside the host block "
+                             f"of {block_bytes} bytes; does the host pool match the layout?")
+    for (_, end_a, pa), (o_b, _, pb) in pairwise(spans):
+        if o_b < end_a:
+            raise ValueError(f"planes {pa} and {pb} overlap in the host block")
+    return offs
+
+
+def _as_ids(ids: Sequence[int], side: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{side} ids must be a flat sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{side} ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr))
+        raise ValueError(f"{side} block id {arr[i]} at index {i} does not fit in int64")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _check_range(ids: np.ndarray, limit: int, side: str) -> None:
+    # Negative ids wrap to huge unsigned values: one comparison catches both ends.
+    bad = ids.view(np.uint64) >= limit
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"{side} block id {int(ids[i])} at index {i} is out of range: "
+                         f"allowed 0..{limit - 1} ({limit} {side} blocks)")
+
+
+def _check_unique(ids: np.ndarray, side: str) -> None:
+    """Destinations must be distinct: two sources into one block is an upstream bug
+    (two owners of one block), and with threads it would be a data race."""
+    if ids.size < 2:
+        return
+    order = np.argsort(ids, kind="stable")
+    dup = np.flatnonzero(ids[order[1:]] == ids[order[:-1]])
+    if dup.size:
+        first, second = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
+        raise ValueError(f"{side} block id {int(ids[first])} is a destination twice "
+                         f"(indices {first} and {second}); destination ids must be distinct")
+
+
+def _runs(dev: np.ndarray, host: np.ndarray) -> list[tuple[int, int, int]]:
+    """Split pairs into (device start, host start, length) runs consecutive on both sides.
+
+    Plain Python: tasks are short and numpy's per-call cost dominates for them.
+    """
+    runs: list[tuple[int, int, int]] = []
+    d0 = h0 = n = 0
+    for d, h in zip(dev.tolist(), host.tolist(), strict=True):
+        if n and d == d0 + n and h == h0 + n:
+            n += 1
+            continue
+        if n:
+            runs.append((d0, h0, n))
+        d0, h0, n = d, h, 1
+    if n:
+        runs.append((d0, h0, n))
+    return runs
+
+
+def _byte_view(plane: torch.Tensor, plane_bytes: int) -> torch.Tensor:
+    """uint8 view ``[num_blocks, plane_bytes]`` of a plane, any dtype, padded stride allowed."""
+    elem = plane.element_size()
+    raw = torch.empty(0, dtype=torch.uint8).set_(plane.untyped_storage())
+    return raw.as_strided((plane.size(0), plane_bytes), (plane.stride(0) * elem, 1),
+                          plane.storage_offset() * elem)

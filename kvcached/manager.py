@@ -1,0 +1,578 @@
+"""CacheManager: the engine-side prefix cache over GPU and CPU tiers.
+
+The engine's scheduler calls ``allocate`` / ``extend`` / ``commit`` / ``free``;
+the manager decides which blocks are cached where and plans the moves
+(``swap_out``, ``swap_in``) that a ``Transfer`` executes. All tree
+transitions happen on the caller's thread, under one lock: completions from
+the transfer are queued and applied at the start of the next call or in
+``Allocation.wait``.
+
+Eviction keeps the GPU pool able to serve: with a CPU tier, the least
+recently used GPU leaf is swapped out (synchronously, so its GPU block is
+reused only after the copy finished) or simply dropped when a CPU backup
+already holds the same bytes; without one it is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+
+from kvcached.config import CacheConfig
+from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed, WorkerLost
+from kvcached.hashing import block_hashes, namespace_hash
+from kvcached.pool import BlockPool
+from kvcached.stats import Counters
+from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.tree import GPU_STATES, BlockTree, Node, Tier
+from kvcached.types import Allocation, CacheStats, HitInfo
+
+logger = logging.getLogger(__name__)
+
+
+class _Request:
+    """A running request. ``blocks[i]`` is ``nodes[i].gpu`` for i < len(nodes); the
+    rest are the request's private blocks (not in the tree)."""
+
+    __slots__ = ("rid", "extra", "blocks", "nodes", "hashes", "num_tokens", "alloc",
+                 "chain_open")
+
+    def __init__(self, rid, extra, hashes: list[bytes], num_tokens: int):
+        self.rid = rid
+        self.extra = extra
+        self.blocks: list[int] = []
+        self.nodes: list[Node] = []
+        self.hashes = hashes
+        self.num_tokens = num_tokens
+        self.alloc: Allocation | None = None
+        # False once a block this request computed could not join the tree
+        # (its twin was in flight): later blocks stay private, never misplaced.
+        self.chain_open = True
+
+
+class CacheManager:
+    """Prefix-cache manager (see DESIGN.md §10 for the contract)."""
+
+    def __init__(self, cfg: CacheConfig, transfer: Transfer | None = None):
+        self.cfg = cfg
+        self.block_size = cfg.block_size
+        self._own_run_dir = not cfg.run_dir
+        self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="kvcached-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)  # sockets and descriptors live here
+        self.gpu_pool = BlockPool("gpu", cfg.num_gpu_blocks)
+        self.cpu_pool = BlockPool("cpu", cfg.num_cpu_blocks)
+        self.cpu_enabled = cfg.num_cpu_blocks > 0
+        self.tree = BlockTree()
+        self._ns = namespace_hash(cfg.model_id, cfg.weight_version, cfg.salt)
+        self._reqs: dict[Hashable, _Request] = {}
+        self._pending: dict[int, tuple[_Request, list[Node]]] = {}
+        self._clock = 0
+        self._n_gpu_idle = 0  # nodes in state GPU with ref 0: what eviction can free
+        self._lock = threading.RLock()
+        self._counters = Counters()
+        self._transfer = transfer
+        self._host_pools: list = []
+        self._created_planes: list[int] = []
+        self._started = False
+        self._closed = False
+        self._asleep = False
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> CacheManager:
+        """Attach (or spawn) the transfer; returns when every rank is ready."""
+        if self._started:
+            return self
+        self._create_shared_memory()
+        if self._transfer is None:
+            from kvcached.transfer.factory import make_transfer
+            self._transfer = make_transfer(self.cfg, self.run_dir)
+        try:
+            self._transfer.start()
+        except BaseException:
+            self._release_shared_memory()
+            raise
+        self._started = True
+        logger.info("kvcached started: run_dir=%s gpu=%d cpu=%d blocks of %d tokens",
+                    self.run_dir, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks,
+                    self.block_size)
+        return self
+
+    def close(self) -> None:
+        """Finish what is in flight, stop the transfer, remove run files."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            if self._transfer is not None:
+                self._transfer.close()
+            self._release_shared_memory()
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _create_shared_memory(self) -> None:
+        """Host pools (and, with create_cache, the KV planes) belong to the engine
+        process, so they outlive a crashed worker; stale ones of dead runs go first."""
+        from kvcached.hostpool import HostPool
+        from kvcached.kvshare import allocate_kv_cache
+        from kvcached.shm import cleanup_stale_segments
+        cleanup_stale_segments()
+        cfg, layout = self.cfg, self.cfg.layout
+        try:
+            for rank in range(cfg.tp_size):
+                if cfg.num_cpu_blocks:
+                    self._host_pools.append(HostPool.create(
+                        self.run_dir, rank, cfg.num_cpu_blocks, layout.block_bytes))
+                if cfg.create_cache and cfg.device == "cpu":
+                    allocate_kv_cache(layout, cfg.num_gpu_blocks, rank, self.run_dir)
+                    self._created_planes.append(rank)
+        except BaseException:
+            self._release_shared_memory()
+            raise
+
+    def _release_shared_memory(self) -> None:
+        from kvcached.kvshare import release_kv_cache
+        for pool in self._host_pools:
+            pool.remove()
+        self._host_pools.clear()
+        for rank in self._created_planes:
+            release_kv_cache(self.run_dir, rank)
+        self._created_planes.clear()
+
+    def __enter__(self) -> CacheManager:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def transfer(self) -> Transfer | None:
+        return self._transfer
+
+    # ------------------------------------------------------------- allocate
+    def allocate(self, request_id: Hashable, token_ids: Sequence[int], extra_key=None,
+                 reserve_tokens: int = 0) -> Allocation:
+        """Match the cached prefix, plan swap-ins, and give the request its GPU blocks.
+
+        At least one prompt token is always left to compute (the engine needs
+        its logits), so ``num_cached_tokens <= len(token_ids) - 1``.
+        Raises NoFreeBlocks, with the state unchanged, when eviction cannot
+        make room.
+        """
+        with self._lock:
+            self._check_serving()
+            self._reap()
+            if request_id in self._reqs:
+                raise ValueError(f"request {request_id!r} is already allocated; free() it first")
+            n = len(token_ids)
+            if n < 1 or reserve_tokens < 0:
+                raise ValueError(f"allocate needs >= 1 token and reserve_tokens >= 0, "
+                                 f"got {n} tokens, reserve_tokens={reserve_tokens}")
+            bs = self.block_size
+            req = _Request(request_id, extra_key,
+                           block_hashes(self._ns, token_ids, bs, extra_key), n)
+            matched = self._match(req.hashes, (n - 1) // bs)
+            n_gpu = next((i for i, nd in enumerate(matched) if nd.state is not Tier.GPU),
+                         len(matched))
+            need = -(-(n + reserve_tokens) // bs) - n_gpu
+            idle_matched = sum(1 for nd in matched[:n_gpu] if nd.ref == 0)
+            avail = self.gpu_pool.num_free + self._n_gpu_idle - idle_matched
+            if need > avail:
+                self._counters.no_free_blocks += 1
+                raise NoFreeBlocks(need, avail)
+            self._clock += 1
+            for nd in matched:
+                self._ref(nd)
+            try:
+                self._make_room(need)
+            except BaseException:
+                for nd in matched:
+                    self._unref(nd)
+                raise
+            return self._finish_allocate(req, matched, n_gpu, self.gpu_pool.allocate(need))
+
+    def _match(self, hashes: list[bytes], limit: int) -> list[Node]:
+        """Longest prefix of ready nodes (GPU or CPU); stops at in-flight nodes."""
+        out: list[Node] = []
+        node = self.tree.root
+        for h in hashes[:limit]:
+            node = node.children.get(h)
+            if node is None or not (node.state is Tier.GPU or node.state is Tier.CPU):
+                break
+            out.append(node)
+        return out
+
+    def _finish_allocate(self, req: _Request, matched: list[Node], n_gpu: int,
+                         new: list[int]) -> Allocation:
+        bs = self.block_size
+        req.blocks = [nd.gpu for nd in matched[:n_gpu]]
+        swap = matched[n_gpu:]
+        for nd, g in zip(swap, new):
+            self._set(nd, Tier.SWAP_IN, gpu=g)
+            req.blocks.append(g)
+        req.blocks.extend(new[len(swap):])
+        req.nodes = matched
+        handles = []
+        if swap:
+            h = self._submit(Task("swap_in", [nd.cpu for nd in swap], [nd.gpu for nd in swap]))
+            self._pending[h.task.task_id] = (req, swap)
+            handles.append(h)
+        hit = HitInfo(gpu_tokens=n_gpu * bs, cpu_tokens=len(swap) * bs)
+        req.alloc = Allocation(req.rid, req.blocks, len(matched) * bs, hit, handles,
+                               self._wait_allocation)
+        self._reqs[req.rid] = req
+        self._counters.count_request(req.num_tokens, hit)
+        return req.alloc
+
+    # --------------------------------------------------------------- extend
+    def extend(self, request_id: Hashable, num_tokens: int) -> list[int]:
+        """Make room for ``num_tokens`` more tokens; returns the appended block ids."""
+        with self._lock:
+            self._check_serving()
+            self._reap()
+            req = self._get(request_id)
+            if num_tokens < 0:
+                raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+            total = req.num_tokens + num_tokens
+            need = -(-total // self.block_size) - len(req.blocks)
+            if need > 0:
+                avail = self.gpu_pool.num_free + self._n_gpu_idle
+                if need > avail:
+                    self._counters.no_free_blocks += 1
+                    raise NoFreeBlocks(need, avail)
+                self._make_room(need)
+            new = self.gpu_pool.allocate(max(need, 0))
+            req.blocks.extend(new)
+            req.num_tokens = total
+            return new
+
+    # --------------------------------------------------------------- commit
+    def commit(self, request_id: Hashable, token_ids: Sequence[int],
+               num_computed_tokens: int) -> list[int]:
+        """Cache the request's newly computed full blocks; returns its block ids.
+
+        A block another request cached first is deduplicated: this request's
+        copy goes back to the pool and its block table points at the cached one.
+        """
+        with self._lock:
+            self._reap()
+            req = self._get(request_id)
+            if not req.alloc.ready:
+                raise RuntimeError(f"request {request_id!r} still has transfers in flight; "
+                                   "call Allocation.wait() before computing and committing")
+            bs = self.block_size
+            if not 0 <= num_computed_tokens <= len(token_ids):
+                raise ValueError(f"num_computed_tokens must be in 0..{len(token_ids)} "
+                                 f"(len(token_ids)), got {num_computed_tokens}")
+            if num_computed_tokens > len(req.blocks) * bs:
+                raise ValueError(
+                    f"request {request_id!r} has blocks for {len(req.blocks) * bs} tokens, "
+                    f"num_computed_tokens={num_computed_tokens}; call extend() first")
+            full = num_computed_tokens // bs
+            if req.chain_open and full > len(req.nodes):
+                self._extend_hashes(req, token_ids, full)
+                self._insert(req, full)
+            return req.blocks
+
+    def _extend_hashes(self, req: _Request, token_ids: Sequence[int], full: int) -> None:
+        have = len(req.hashes)
+        if have < full:
+            parent = req.hashes[-1] if have else self._ns
+            req.hashes.extend(block_hashes(parent, token_ids, self.block_size, req.extra,
+                                           start=have, stop=full))
+
+    def _insert(self, req: _Request, full: int) -> None:
+        parent = req.nodes[-1] if req.nodes else self.tree.root
+        for i in range(len(req.nodes), full):
+            h = req.hashes[i]
+            node = parent.children.get(h)
+            if node is None:
+                node = self.tree.add_child(parent, h)
+                node.ref = 1
+                self._set(node, Tier.GPU, gpu=req.blocks[i])
+            elif node.state is Tier.GPU:
+                if node.gpu != req.blocks[i]:
+                    self.gpu_pool.free([req.blocks[i]])
+                    req.blocks[i] = node.gpu
+                    self._counters.dedup_blocks += 1
+                self._ref(node)
+            elif node.state is Tier.CPU or node.state is Tier.STORAGE:
+                node.ref += 1  # adopt our copy: no swap-in needed for it any more
+                self._set(node, Tier.GPU, gpu=req.blocks[i])
+            else:
+                req.chain_open = False
+                return
+            req.nodes.append(node)
+            parent = node
+
+    # ----------------------------------------------------------------- free
+    def free(self, request_id: Hashable) -> None:
+        """The request is done; its cached blocks stay in the tree, evictable."""
+        with self._lock:
+            req = self._get(request_id)
+            self._await(req.alloc._handles, self.cfg.task_timeout_s + 5.0)
+            self._reap()
+            del self._reqs[request_id]
+            self._clock += 1
+            for node in reversed(req.nodes):
+                self._unref(node)
+            private = req.blocks[len(req.nodes):]
+            if private:
+                self.gpu_pool.free(private[::-1])  # tail first, as vLLM does
+
+    # ------------------------------------------------------------- eviction
+    def _make_room(self, need: int) -> None:
+        deficit = need - self.gpu_pool.num_free
+        if deficit > 0:
+            self._evict_gpu(deficit)
+
+    def _evict_gpu(self, count: int) -> None:
+        """Free ``count`` GPU blocks from LRU leaves (the caller checked they exist).
+
+        Victims leave in one swap_out batch; a victim that already has a CPU
+        backup joins the batch without a copy, so that a failed batch rolls
+        every victim back together (a parent never leaves the GPU before its
+        child has).
+        """
+        batch: list[Node] = []
+        copies: list[Node] = []
+        freed = 0
+        while freed < count:
+            node = self.tree.gpu_lru.pop()
+            if node is None:
+                raise AssertionError("GPU eviction found no leaf although blocks were idle")
+            if node.cpu < 0:
+                cpu = self._take_cpu_block() if self.cpu_enabled else None
+                if cpu is None and batch:
+                    # The CPU leaves may be this batch's own victims: land them
+                    # first so they become evictable, then retry this node.
+                    self._refresh(node)
+                    self._swap_out(batch, copies)
+                    batch, copies = [], []
+                    continue
+                if cpu is None:
+                    self._drop_gpu(node)
+                    freed += 1
+                    continue
+                self._set(node, Tier.SWAP_OUT, cpu=cpu)
+                copies.append(node)
+            else:
+                self._set(node, Tier.SWAP_OUT)  # the backup already holds the bytes
+            batch.append(node)
+            freed += 1
+        if batch:
+            self._swap_out(batch, copies)
+
+    def _swap_out(self, batch: list[Node], copies: list[Node]) -> None:
+        """Move ``batch`` to the CPU tier, copying ``copies``; their GPU blocks are
+        reused only once the copy finished on every rank."""
+        if copies:
+            h = self._submit(Task("swap_out", [n.gpu for n in copies], [n.cpu for n in copies]))
+            res = self._await([h], self.cfg.task_timeout_s + 5.0)[0]
+            if not res.ok:
+                self._rollback_swap_out(batch, copies)
+                raise _task_error(res, "swap_out")
+        for n in batch:
+            self._release_gpu(n, Tier.CPU)
+        self._counters.evictions["gpu_to_cpu"] += len(copies)
+        if len(batch) > len(copies):
+            self._counters.evictions["gpu_to_cpu_backup"] += len(batch) - len(copies)
+
+    def _rollback_swap_out(self, batch: list[Node], copies: list[Node]) -> None:
+        cpus = [n.cpu for n in copies]
+        copied = set(copies)
+        for n in reversed(batch):  # the blocks stay on GPU; new CPU blocks go back
+            self._set(n, Tier.GPU, cpu=-1 if n in copied else None)
+        self.cpu_pool.free(cpus, front=True)
+
+    def _take_cpu_block(self) -> int | None:
+        if self.cpu_pool.num_free == 0:
+            node = self.tree.cpu_lru.pop()
+            if node is None:
+                return None
+            self._drop_cpu(node)
+        return self.cpu_pool.allocate(1)[0]
+
+    def _release_gpu(self, node: Node, state: Tier) -> None:
+        gpu = node.gpu
+        self._set(node, state, gpu=-1)
+        self.gpu_pool.free([gpu])
+
+    def _drop_gpu(self, node: Node) -> None:
+        """Forget the GPU copy; the node survives only if storage still has it."""
+        self._release_gpu(node, Tier.STORAGE)
+        self._counters.evictions["gpu_dropped"] += 1
+        if not node.in_storage:
+            self.tree.remove(node)
+
+    def _drop_cpu(self, node: Node) -> None:
+        cpu = node.cpu
+        if node.state is Tier.GPU:
+            self._set(node, Tier.GPU, cpu=-1)  # only a backup goes
+        else:
+            self._set(node, Tier.STORAGE, cpu=-1)
+            if not node.in_storage:
+                self.tree.remove(node)
+        self.cpu_pool.free([cpu])
+        self._counters.evictions["cpu_dropped"] += 1
+
+    # ------------------------------------------------------ node bookkeeping
+    def _set(self, node: Node, state: Tier, gpu: int | None = None,
+             cpu: int | None = None) -> None:
+        """Change a node's state/copies and keep counters and LRU sets exact."""
+        old_g = node.state is Tier.GPU or node.state is Tier.SWAP_IN
+        old_c = node.cpu >= 0
+        old_idle = node.state is Tier.GPU and node.ref == 0
+        node.state = state
+        if gpu is not None:
+            node.gpu = gpu
+        if cpu is not None:
+            node.cpu = cpu
+        new_g = state is Tier.GPU or state is Tier.SWAP_IN
+        new_c = node.cpu >= 0
+        self._n_gpu_idle += (state is Tier.GPU and node.ref == 0) - old_idle
+        parent = node.parent
+        if new_g != old_g or new_c != old_c:
+            parent.n_gpu_children += new_g - old_g
+            parent.n_cpu_children += new_c - old_c
+            self._refresh(parent)
+        self._refresh(node)
+
+    def _ref(self, node: Node) -> None:
+        node.ref += 1
+        if node.ref == 1:
+            if node.state is Tier.GPU:
+                self._n_gpu_idle -= 1
+            self._refresh(node)
+
+    def _unref(self, node: Node) -> None:
+        node.ref -= 1
+        node.last_access = self._clock
+        if node.ref == 0 and node.state is Tier.GPU:
+            self._n_gpu_idle += 1
+        self._refresh(node)
+
+    def _refresh(self, node: Node) -> None:
+        """Put ``node`` in exactly the LRU sets it is evictable from."""
+        if node.parent is None:
+            return  # the root is never evicted
+        if gpu_evictable(node):
+            self.tree.gpu_lru.add(node)
+        else:
+            self.tree.gpu_lru.discard(node)
+        if cpu_evictable(node):
+            self.tree.cpu_lru.add(node)
+        else:
+            self.tree.cpu_lru.discard(node)
+
+    # ------------------------------------------------------------ transfers
+    def _submit(self, task: Task) -> TaskHandle:
+        h = self._transfer.submit(task)
+        self._counters.task_submitted(task)
+        return h
+
+    def _await(self, handles: list[TaskHandle], timeout: float) -> list[TaskResult]:
+        deadline = time.monotonic() + timeout
+        for h in handles:
+            if not h.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{h.task.kind} task {h.task.task_id} did not finish "
+                                   f"within {timeout:.1f}s")
+        return [h.result for h in handles]
+
+    def _reap(self) -> None:
+        """Apply completions the transfer queued (swap-outs are handled inline)."""
+        q = self._transfer.completed if self._transfer else ()
+        while q:
+            h = q.popleft()
+            self._counters.task_done(h.task, h.result)
+            ctx = self._pending.pop(h.task.task_id, None)
+            if ctx is not None:
+                self._finish_swap_in(ctx[0], ctx[1], h.result)
+
+    def _finish_swap_in(self, req: _Request, nodes: list[Node], res: TaskResult) -> None:
+        if res.ok:
+            for n in nodes:
+                self._set(n, Tier.GPU)  # the CPU copy stays as a backup
+            return
+        # Roll back: the nodes stay on CPU; their new GPU blocks become the
+        # request's private blocks, to be recomputed.
+        first = req.nodes.index(nodes[0])
+        for n in nodes:
+            self._set(n, Tier.CPU, gpu=-1)
+        for n in reversed(req.nodes[first:]):
+            self._unref(n)
+        del req.nodes[first:]
+        a = req.alloc
+        lost = a.hit.cpu_tokens
+        a.num_cached_tokens -= lost
+        a.hit = HitInfo(a.hit.gpu_tokens, 0, a.hit.storage_tokens)
+        self._counters.hit_tokens["cpu"] -= lost
+        a.error = _task_error(res, "swap_in")
+        logger.warning("swap_in for request %r failed (%s); %d tokens will be recomputed",
+                       req.rid, res.error, lost)
+
+    def _wait_allocation(self, alloc: Allocation, timeout: float | None) -> None:
+        limit = self.cfg.task_timeout_s + 5.0 if timeout is None else timeout
+        self._await(alloc._handles, limit)
+        with self._lock:
+            self._reap()
+        if alloc.error is not None:
+            raise alloc.error
+
+    # -------------------------------------------------------------- helpers
+    def _get(self, request_id: Hashable) -> _Request:
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r} (not allocated, or already freed)")
+        return req
+
+    def _check_serving(self) -> None:
+        if not self._started:
+            raise RuntimeError("CacheManager.start() must be called before allocating")
+        if self._closed:
+            raise RuntimeError("CacheManager is closed")
+        if self._asleep:
+            raise CacheAsleep("kvcached is asleep; call wakeup() before allocating")
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> CacheStats:
+        """A snapshot of tiers, hits, evictions and transfers."""
+        with self._lock:
+            self._reap()
+            workers = self._transfer.stats().get("workers", []) if self._transfer else []
+            return self._counters.snapshot(self, workers)
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError on the first broken invariant (see kvcached.invariants)."""
+        from kvcached.invariants import check
+        with self._lock:
+            self._reap()
+            check(self)
+
+
+def gpu_evictable(n: Node) -> bool:
+    """An unreferenced GPU node with no child on GPU."""
+    return n.state is Tier.GPU and n.ref == 0 and n.n_gpu_children == 0
+
+
+def cpu_evictable(n: Node) -> bool:
+    """A CPU copy that no CPU child depends on; a backup of a GPU node always qualifies."""
+    if n.cpu < 0 or n.n_cpu_children:
+        return False
+    if n.state is Tier.GPU:
+        return True
+    return n.state is Tier.CPU and n.ref == 0 and n.n_gpu_children == 0
+
+
+def _task_error(res: TaskResult, kind: str) -> TransferFailed:
+    cls = WorkerLost if res.lost else TransferFailed
+    return cls(f"{kind} task {res.task_id} failed: {res.error}")
+
+
+__all__ = ["CacheManager", "GPU_STATES"]

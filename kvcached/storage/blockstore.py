@@ -1,0 +1,252 @@
+"""BlockStore: the per-rank, worker-side API of the storage tier.
+
+It turns block hashes into keys, writes ``header + host block`` objects and
+reads them back straight into host blocks, verifying each one. A load returns
+the length of the contiguous prefix that arrived intact; blocks after the
+first miss are never reported as loaded (their host blocks may have been
+written and must be treated as garbage by the caller).
+
+Headers live in small arenas next to the payloads (scatter / gather I/O), so
+the payload is never copied on the way to or from the backend where the
+backend can do vectored I/O (file: readv/writev; Mooncake: multi-buffer
+transfers into the registered host pool).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from kvcached.storage.base import Counters, StorageBackend
+from kvcached.storage.objects import (
+    HEADER_SIZE,
+    MISS_REASONS,
+    object_key,
+    pack_header_into,
+    storage_namespace,
+    verify_object,
+)
+
+logger = logging.getLogger(__name__)
+
+# Reasons that mean "this object is damaged": delete it so a later store can
+# rewrite it (Mooncake never overwrites). A layout or version mismatch may be
+# another deployment's valid object and is left alone.
+_DAMAGED = {"short_read", "bad_magic", "bad_header_crc", "length_mismatch",
+            "checksum_mismatch", "wrong_block"}
+
+
+def default_file_dir() -> str:
+    """Where the file backend lives when ``storage_url`` is empty."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvcached", "storage")
+
+
+class BlockStore:
+    """Stores and loads one rank's blocks through a :class:`StorageBackend`."""
+
+    def __init__(self, backend: StorageBackend, layout_digest: str, rank: int,
+                 tp_size: int, namespace: str) -> None:
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank must be in [0, {tp_size}), got {rank}")
+        self.backend = backend
+        self.layout_digest = layout_digest
+        self.rank = rank
+        self.tp_size = tp_size
+        self.namespace = namespace
+        self.counters = Counters("blocks_stored", "blocks_store_failed", "blocks_loaded",
+                                 "load_misses", "lookups", "lookup_hits", "damaged_deleted",
+                                 *(f"miss_{r}" for r in MISS_REASONS))
+        self._lock = threading.Lock()
+        self._free_arenas: list[np.ndarray] = []
+        self._pools: dict[tuple[int, int], memoryview] = {}
+        self._warned: set[str] = set()
+
+    @classmethod
+    def from_config(cls, cfg, rank: int) -> BlockStore | None:
+        """The BlockStore of ``rank`` for a ``CacheConfig`` (None without storage)."""
+        from kvcached.storage import open_backend
+
+        kind = cfg.storage_backend
+        if not kind:
+            return None
+        opts: dict = {}
+        url = cfg.storage_url
+        if kind == "file":
+            url = url or default_file_dir()
+            # Every rank's process shares the directory: each enforces its share
+            # of the cap over the objects of its own rank.
+            share = cfg.storage_max_bytes // cfg.tp_size if cfg.storage_max_bytes else 0
+            opts = {"max_bytes": max(share, 1) if cfg.storage_max_bytes else 0,
+                    "index_suffix": f"/{rank}of{cfg.tp_size}"}
+        backend = open_backend(kind, url, **opts)
+        ns = storage_namespace(cfg.model_id, cfg.weight_version, cfg.salt)
+        return cls(backend, cfg.layout.digest, rank, cfg.tp_size, ns)
+
+    # ------------------------------------------------------------ keys
+    def set_namespace(self, namespace: str) -> None:
+        """Switch to another namespace (e.g. after ``update_weights``)."""
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        self.namespace = namespace
+
+    def keys(self, hashes: Sequence[bytes], namespace: str | None = None) -> list[str]:
+        """Backend keys of ``hashes`` for this rank."""
+        ns = namespace or self.namespace
+        return [object_key(ns, h, self.rank, self.tp_size) for h in hashes]
+
+    # ------------------------------------------------------------ API
+    def store(self, hashes: Sequence[bytes], host_pool: torch.Tensor,
+              host_ids: Sequence[int]) -> list[bool]:
+        """Write host blocks ``host_ids`` as the objects of ``hashes``; ok per block."""
+        _same_len(hashes, host_ids)
+        if not hashes:
+            return []
+        view, bb = self._pool_view(host_pool, host_ids)
+        keys = self.keys(hashes)
+        with self._arena(len(hashes)) as hdrs:
+            bufs = []
+            for i, (h, hid) in enumerate(zip(hashes, host_ids, strict=True)):
+                payload = view[hid * bb:(hid + 1) * bb]
+                hdr = hdrs[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
+                pack_header_into(hdr, layout_digest=self.layout_digest, block_hash=h,
+                                 rank=self.rank, tp_size=self.tp_size, payload=payload)
+                bufs.append([hdr, payload])
+            ok = self.backend.put_from(keys, bufs)
+        self.counters.inc("blocks_stored", sum(ok))
+        self.counters.inc("blocks_store_failed", len(ok) - sum(ok))
+        return ok
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Length of the contiguous prefix of ``hashes`` whose objects exist."""
+        self.counters.inc("lookups")
+        if not hashes:
+            return 0
+        n = _prefix(self.backend.exists(self.keys(hashes)))
+        self.counters.inc("lookup_hits", n)
+        return n
+
+    def load(self, hashes: Sequence[bytes], host_pool: torch.Tensor,
+             host_ids: Sequence[int]) -> int:
+        """Read objects into host blocks; the length of the intact contiguous prefix."""
+        _same_len(hashes, host_ids)
+        if not hashes:
+            return 0
+        view, bb = self._pool_view(host_pool, host_ids)
+        keys = self.keys(hashes)
+        with self._arena(len(hashes)) as hdrs:
+            hdr_views = [hdrs[i * HEADER_SIZE:(i + 1) * HEADER_SIZE] for i in range(len(keys))]
+            payloads = [view[hid * bb:(hid + 1) * bb] for hid in host_ids]
+            bufs = [[h, p] for h, p in zip(hdr_views, payloads, strict=True)]
+            nread = self.backend.get_into(keys, bufs)
+            n, damaged = self._verify_prefix(hashes, hdr_views, payloads, nread)
+        self.counters.inc("blocks_loaded", n)
+        if damaged:
+            self.backend.delete([keys[n]])
+            self.counters.inc("damaged_deleted")
+        return n
+
+    def _verify_prefix(self, hashes, hdrs, payloads, nread) -> tuple[int, bool]:
+        """Count intact objects from the start; stop at the first bad one."""
+        for i, h in enumerate(hashes):
+            if nread[i] < 0:
+                self.counters.inc("load_misses")
+                return i, False
+            reason = verify_object(hdrs[i], payloads[i], nread=nread[i],
+                                   layout_digest=self.layout_digest, block_hash=h,
+                                   rank=self.rank, tp_size=self.tp_size)
+            if reason is not None:
+                self._rejected(h, reason)
+                return i, reason in _DAMAGED
+        return len(hashes), False
+
+    def _rejected(self, block_hash: bytes, reason: str) -> None:
+        self.counters.inc(f"miss_{reason}")
+        with self._lock:  # warn once per reason: a mismatch storm must not flood logs
+            first = reason not in self._warned
+            self._warned.add(reason)
+        key = object_key(self.namespace, block_hash, self.rank, self.tp_size)
+        (logger.warning if first else logger.debug)(
+            "storage object %s rejected (%s); treated as a miss", key, reason)
+
+    def delete(self, hashes: Sequence[bytes]) -> None:
+        """Remove this rank's objects of ``hashes``."""
+        if hashes:
+            self.backend.delete(self.keys(hashes))
+
+    def healthy(self) -> bool:
+        """Whether the backend answers (and its breaker is closed)."""
+        return self.backend.healthy()
+
+    def stats(self) -> dict:
+        """BlockStore counters, with the backend's under ``backend``."""
+        return {**self.counters.snapshot(), "namespace": self.namespace,
+                "backend": self.backend.stats()}
+
+    def release_host_pool(self) -> None:
+        """Forget cached host pool views (call before the pool is freed, e.g. sleep)."""
+        with self._lock:
+            views, self._pools = list(self._pools.values()), {}
+        for view in views:
+            self.backend.unregister_memory(view)
+
+    def close(self) -> None:
+        """Release the host pool views and close the backend."""
+        self.release_host_pool()
+        self.backend.close()
+
+    # ------------------------------------------------------------ memory
+    def _pool_view(self, pool: torch.Tensor, host_ids: Sequence[int]) -> tuple[memoryview, int]:
+        """A flat byte view of the host pool (registered once with the backend)."""
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.device.type != "cpu":
+            raise ValueError("host pool must be a CPU uint8 tensor [num_blocks, block_bytes], "
+                             f"got {pool.dtype} {tuple(pool.shape)} on {pool.device}")
+        if not pool.is_contiguous():
+            raise ValueError("host pool must be contiguous")
+        nblocks, bb = pool.shape
+        for hid in host_ids:
+            if not 0 <= hid < nblocks:
+                raise ValueError(f"host block id {hid} out of range [0, {nblocks})")
+        key = (pool.data_ptr(), pool.numel())
+        view = self._pools.get(key)
+        if view is None:
+            view = memoryview(pool.numpy().reshape(-1))
+            self.backend.register_memory(view)
+            with self._lock:
+                self._pools[key] = view
+        return view, bb
+
+    @contextmanager
+    def _arena(self, n: int):
+        """Header buffers for ``n`` objects, reused across calls (and registered)."""
+        with self._lock:
+            fits = [a for a in self._free_arenas if a.nbytes >= n * HEADER_SIZE]
+            arena = fits[0] if fits else None
+            if arena is not None:
+                self._free_arenas.remove(arena)
+        if arena is None:
+            arena = np.zeros(max(n, 256) * HEADER_SIZE, dtype=np.uint8)
+            self.backend.register_memory(memoryview(arena))
+        try:
+            yield memoryview(arena)
+        finally:
+            with self._lock:
+                self._free_arenas.append(arena)
+
+
+def _prefix(flags: Sequence[bool]) -> int:
+    for i, f in enumerate(flags):
+        if not f:
+            return i
+    return len(flags)
+
+
+def _same_len(hashes: Sequence, host_ids: Sequence) -> None:
+    if len(hashes) != len(host_ids):
+        raise ValueError(f"got {len(hashes)} hashes but {len(host_ids)} host ids")

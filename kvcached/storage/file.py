@@ -1,0 +1,329 @@
+"""File backend: one file per object in a directory, with an LRU size cap.
+
+Layout: ``<root>/<namespace>/<fan>/<rest of key>`` (key parts percent-encoded,
+``fan`` = two hex digits spreading a namespace over 256 directories), plus a
+marker file ``KVCACHED_STORE`` that identifies the directory as ours: the
+backend refuses a non-empty directory without it, so a mistyped
+``storage_url`` never gets someone's files evicted.
+
+Writes go to a temporary file in the target directory and are renamed into
+place, so a reader sees a whole object or none; a failed write leaves nothing
+visible. There is no fsync: after a power loss a torn file fails its checksum
+and is a miss, which is all a cache needs.
+
+The size cap is enforced from an in-memory index (key -> size, in access
+order) built once at open from file modification times; hits touch the file's
+mtime so the order survives restarts. Several processes may share a
+directory (one per TP rank): each indexes only the keys it is told it owns
+(``index_suffix``) and enforces its own share of the cap; ``exists`` always
+asks the file system, so no process answers from a stale index.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from kvcached.storage.base import BackendError, StorageBackend, parts_len
+
+logger = logging.getLogger(__name__)
+
+MARKER = "KVCACHED_STORE"
+TMP_PREFIX = ".tmp-"
+STALE_TMP_S = 300.0  # a temp file this old belongs to a crashed writer
+_counter = itertools.count()
+
+
+def _enc(part: str) -> str:
+    enc = quote(part, safe="@+-_~.")
+    return "%2E" + enc[1:] if enc.startswith(".") else enc  # never a hidden/temp name
+
+
+class FileBackend(StorageBackend):
+    """Objects as files under ``root``; ``max_bytes`` > 0 caps their total size (LRU)."""
+
+    kind = "file"
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int = 0,
+                 index_suffix: str | None = None) -> None:
+        super().__init__(breaker=None)  # local disk: errors are per call, nothing to trip
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.root = Path(root)
+        self.max_bytes = int(max_bytes)
+        self.index_suffix = index_suffix
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # oldest access first
+        self._used = 0
+        self._dirs: set[str] = set()
+        self.counters.declare("evictions", "io_errors", "oversize_objects")
+        self._open_root()
+        self._build_index()
+
+    # ------------------------------------------------------------ paths
+    def _path(self, key: str) -> str:
+        ns, sep, rest = key.partition("/")
+        if not ns or not sep or not rest:
+            raise ValueError(f"file storage key must look like <namespace>/<name>, got {key!r}")
+        fan = format(zlib.crc32(rest.encode()) & 0xFF, "02x")
+        return os.path.join(self.root, _enc(ns), fan, _enc(rest))
+
+    @staticmethod
+    def _key_of(ns_dir: str, name: str) -> str:
+        return f"{unquote(ns_dir)}/{unquote(name)}"
+
+    # ------------------------------------------------------------ open
+    def _open_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"storage_url for file: cannot create directory "
+                             f"{str(self.root)!r}: {e}") from e
+        marker = self.root / MARKER
+        if not marker.exists():
+            if any(self.root.iterdir()):
+                raise ValueError(
+                    f"storage_url for file: {str(self.root)!r} is a non-empty directory "
+                    f"that is not a kvcached store (no {MARKER} file); use a new or empty "
+                    "directory")
+            marker.write_text("kvcached storage v1\n")
+
+    def _build_index(self) -> None:
+        """Scan the directory once; order objects by modification time."""
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for ns_entry in _scandir(self.root):
+            if not ns_entry.is_dir() or ns_entry.name.startswith("."):
+                continue
+            for fan in _scandir(ns_entry.path):
+                if fan.is_dir():
+                    self._scan_fan(ns_entry.name, fan.path, found, now)
+        found.sort()
+        for _, key, size in found:
+            self._index[key] = size
+            self._used += size
+        logger.info("file storage %s: %d objects, %d bytes indexed", self.root,
+                    len(self._index), self._used)
+
+    def _scan_fan(self, ns_name: str, path: str, found: list, now: float) -> None:
+        for f in _scandir(path):
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            if f.name.startswith(TMP_PREFIX):
+                if now - st.st_mtime > STALE_TMP_S:
+                    _unlink(f.path)  # left by a writer that crashed mid-write
+                continue
+            key = self._key_of(ns_name, f.name)
+            if self.index_suffix is None or key.endswith(self.index_suffix):
+                found.append((st.st_mtime, key, st.st_size))
+
+    # ------------------------------------------------------------ ops
+    def _exists(self, keys: list[str]) -> list[bool]:
+        out = []
+        for key in keys:
+            try:
+                st = os.stat(self._path(key))
+            except FileNotFoundError:
+                self._forget(key)
+                out.append(False)
+                continue
+            self._remember(key, st.st_size, touch=False)
+            out.append(True)
+        return out
+
+    def _get_into(self, keys: list[str], parts: list[list[memoryview]]) -> list[int]:
+        return [self._get_one(k, p) for k, p in zip(keys, parts, strict=True)]
+
+    def _get_one(self, key: str, parts: list[memoryview]) -> int:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget(key)
+            return -1
+        except OSError as e:
+            self._io_error("read", key, e)
+            return -1
+        try:
+            size = os.fstat(fd).st_size
+            if size > parts_len(parts):
+                self.counters.inc("oversize_objects")
+                return -1
+            n = _readv_all(fd, parts)
+            _touch(fd)
+        except OSError as e:
+            self._io_error("read", key, e)
+            return -1
+        finally:
+            os.close(fd)
+        self._remember(key, size, touch=True)
+        return n
+
+    def _put_from(self, keys: list[str], parts: list[list[memoryview]]) -> list[bool]:
+        return [self._put_one(k, p) for k, p in zip(keys, parts, strict=True)]
+
+    def _put_one(self, key: str, parts: list[memoryview]) -> bool:
+        size = parts_len(parts)
+        if self.max_bytes and size > self.max_bytes:
+            self.counters.inc("oversize_objects")
+            return False
+        path = self._path(key)
+        tmp = os.path.join(os.path.dirname(path),
+                           f"{TMP_PREFIX}{os.getpid()}-{next(_counter)}")
+        try:
+            self._write_tmp(tmp, parts)
+            os.rename(tmp, path)  # atomic: readers see the old object, the new one, or none
+        except OSError as e:
+            _unlink(tmp)
+            self._io_error("write", key, e)
+            return False
+        self._remember(key, size, touch=True)
+        self._evict()
+        return True
+
+    def _write_tmp(self, tmp: str, parts: list[memoryview]) -> None:
+        d = os.path.dirname(tmp)
+        if d not in self._dirs:
+            os.makedirs(d, exist_ok=True)
+            self._dirs.add(d)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # the directory was removed (clear() elsewhere)
+            os.makedirs(d, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _writev_all(fd, parts)
+        finally:
+            os.close(fd)
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            _unlink(self._path(key))
+            self._forget(key)
+
+    def _clear(self) -> None:
+        import shutil
+
+        with self._lock:
+            self._index.clear()
+            self._used = 0
+            self._dirs.clear()
+        for entry in _scandir(self.root):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _ping(self) -> bool:
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise BackendError(f"{self.root} is not writable")
+        return True
+
+    def _extra_stats(self) -> dict:
+        with self._lock:
+            return {"bytes_used": self._used, "objects": len(self._index),
+                    "max_bytes": self.max_bytes, "root": str(self.root)}
+
+    # ------------------------------------------------------------ index
+    def _remember(self, key: str, size: int, touch: bool) -> None:
+        if self.index_suffix is not None and not key.endswith(self.index_suffix):
+            return
+        with self._lock:
+            old = self._index.get(key)
+            if old is None:
+                self._index[key] = size
+                self._used += size
+                return
+            self._used += size - old
+            self._index[key] = size
+            if touch:
+                self._index.move_to_end(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+    def _evict(self) -> None:
+        """Drop least recently used objects until under the cap (never the newest)."""
+        if not self.max_bytes:
+            return
+        victims = []
+        with self._lock:
+            while self._used > self.max_bytes and len(self._index) > 1:
+                key, size = self._index.popitem(last=False)
+                self._used -= size
+                victims.append(key)
+        for key in victims:
+            _unlink(self._path(key))
+        if victims:
+            self.counters.inc("evictions", len(victims))
+
+    def _io_error(self, what: str, key: str, e: OSError) -> None:
+        self.counters.inc("io_errors")
+        self._last_error = f"{what} {key}: {e}"
+        logger.debug("file storage %s %s failed: %s", what, key, e)
+
+
+# ------------------------------------------------------------------ helpers
+def _scandir(path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.debug("unlink %s: %s", path, e)
+
+
+def _touch(fd: int) -> None:
+    try:
+        os.utime(fd)  # keeps the LRU order across restarts
+    except OSError:
+        pass
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views = views[1:]
+    if n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
+def _readv_all(fd: int, parts: list[memoryview]) -> int:
+    """readv until EOF or the buffers are full; returns bytes read."""
+    views, done = [p for p in parts if p.nbytes], 0
+    while views:
+        n = os.readv(fd, views)
+        if n == 0:
+            break
+        done += n
+        views = _advance(views, n)
+    return done
+
+
+def _writev_all(fd: int, parts: list[memoryview]) -> None:
+    """writev until every byte is written (short writes happen on signals / full disks)."""
+    views = [p for p in parts if p.nbytes]
+    while views:
+        n = os.writev(fd, views)
+        if n <= 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        views = _advance(views, n)

@@ -1,0 +1,171 @@
+"""Storage object format and keys.
+
+One object holds one block of one TP rank: a fixed 64-byte header followed by
+the block's host span (all planes, ``KVLayout.block_bytes`` bytes). The key is
+``<namespace>/<block hash hex>/<rank>of<tp>``; the namespace folds in the model
+id and the weight version, so ``update_weights`` switches to fresh keys.
+
+Header (little-endian)::
+
+    0   4s  magic b"KVCB"
+    4   H   format version
+    6   B   checksum kind (1 = zlib.crc32, 2 = xxh3_64)
+    7   B   flags (0)
+    8   H   rank
+    10  H   tp size
+    12  Q   payload length
+    20  Q   payload checksum
+    28  16s layout digest (ASCII, zero padded)
+    44  16s block hash (zero padded)
+    60  I   crc32 of bytes 0..59
+
+A reader checks every field against what it expects; any difference is a miss
+with a reason (see :func:`verify_object`), never data.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import zlib
+from hashlib import blake2b
+from urllib.parse import quote
+
+logger = logging.getLogger(__name__)
+
+try:  # xxh3 runs at memory speed (~40 GB/s); zlib.crc32 at ~4 GB/s
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+MAGIC = b"KVCB"
+FORMAT_VERSION = 1
+HEADER_SIZE = 64
+CHECKSUM_CRC32 = 1
+CHECKSUM_XXH3 = 2
+DEFAULT_CHECKSUM = CHECKSUM_XXH3 if _xxhash is not None else CHECKSUM_CRC32
+
+_BODY = struct.Struct("<4sHBBHHQQ16s16s")  # 60 bytes, then the header crc32
+_CRC = struct.Struct("<I")
+assert _BODY.size + _CRC.size == HEADER_SIZE
+
+# Reasons a read is rejected; each one is a stats counter in BlockStore.
+MISS_REASONS = ("short_read", "bad_magic", "bad_version", "bad_header_crc",
+                "unknown_checksum", "layout_mismatch", "wrong_block",
+                "length_mismatch", "checksum_mismatch")
+
+
+def checksum(data, kind: int = DEFAULT_CHECKSUM) -> int:
+    """Checksum of ``data`` (any buffer) with algorithm ``kind``."""
+    if kind == CHECKSUM_XXH3:
+        if _xxhash is None:
+            raise ValueError("checksum kind xxh3_64 needs the 'xxhash' package")
+        return _xxhash.xxh3_64_intdigest(data)
+    if kind == CHECKSUM_CRC32:
+        return zlib.crc32(data)
+    raise ValueError(f"unknown checksum kind {kind}")
+
+
+def checksum_available(kind: int) -> bool:
+    """Whether this process can verify objects written with checksum ``kind``."""
+    return kind == CHECKSUM_CRC32 or (kind == CHECKSUM_XXH3 and _xxhash is not None)
+
+
+def _field16(value: bytes) -> bytes:
+    if len(value) > 16:
+        # Longer identifiers are folded to 16 bytes: still a strict equality check.
+        return blake2b(value, digest_size=16).digest()
+    return value
+
+
+def digest_field(layout_digest: str) -> bytes:
+    """The 16-byte header field for a layout digest string."""
+    return _field16(layout_digest.encode()).ljust(16, b"\0")
+
+
+def hash_field(block_hash: bytes) -> bytes:
+    """The 16-byte header field for a block hash."""
+    return _field16(bytes(block_hash)).ljust(16, b"\0")
+
+
+def pack_header_into(buf, *, layout_digest: str, block_hash: bytes, rank: int,
+                     tp_size: int, payload, kind: int = DEFAULT_CHECKSUM) -> None:
+    """Write the header describing ``payload`` into the first 64 bytes of ``buf``."""
+    body = _BODY.pack(MAGIC, FORMAT_VERSION, kind, 0, rank, tp_size, len(payload),
+                      checksum(payload, kind), digest_field(layout_digest),
+                      hash_field(block_hash))
+    buf[:_BODY.size] = body
+    buf[_BODY.size:HEADER_SIZE] = _CRC.pack(zlib.crc32(body))
+
+
+def pack_header(**kwargs) -> bytes:
+    """The 64-byte header as bytes (see :func:`pack_header_into` for arguments)."""
+    buf = bytearray(HEADER_SIZE)
+    pack_header_into(buf, **kwargs)
+    return bytes(buf)
+
+
+def verify_object(header, payload, *, nread: int, layout_digest: str,
+                  block_hash: bytes, rank: int, tp_size: int) -> str | None:
+    """Check a read object; ``None`` when it is intact, else the miss reason.
+
+    ``nread`` is how many bytes the backend delivered (header + payload).
+    ``payload`` is the buffer the payload was read into; its length is the
+    expected payload length.
+    """
+    if nread != HEADER_SIZE + len(payload):
+        return "short_read" if nread < HEADER_SIZE + len(payload) else "length_mismatch"
+    raw = bytes(header[:HEADER_SIZE])
+    (magic, version, kind, _flags, h_rank, h_tp, length, csum, digest,
+     bhash) = _BODY.unpack_from(raw)
+    if magic != MAGIC:
+        return "bad_magic"
+    if version != FORMAT_VERSION:
+        return "bad_version"
+    if _CRC.unpack_from(raw, _BODY.size)[0] != zlib.crc32(raw[:_BODY.size]):
+        return "bad_header_crc"
+    if digest != digest_field(layout_digest):
+        return "layout_mismatch"
+    if bhash != hash_field(block_hash) or (h_rank, h_tp) != (rank, tp_size):
+        return "wrong_block"
+    if length != len(payload):
+        return "length_mismatch"
+    if not checksum_available(kind):
+        return "unknown_checksum"
+    if checksum(payload, kind) != csum:
+        return "checksum_mismatch"
+    return None
+
+
+# ------------------------------------------------------------------- keys
+_SAFE = "-._~"
+_MAX_COMPONENT = 80
+
+
+def _component(value: str) -> str:
+    """Percent-encode so that distinct values never map to the same namespace."""
+    enc = quote(value, safe=_SAFE)
+    if len(enc) > _MAX_COMPONENT:  # keep keys short enough for file names
+        tail = blake2b(value.encode(), digest_size=8).hexdigest()
+        enc = f"{enc[:_MAX_COMPONENT - 17]}~{tail}"
+    return enc
+
+
+def storage_namespace(model_id: str, weight_version: str, salt: str = "") -> str:
+    """Key namespace for one (model, weight version, salt), e.g. ``kvcached-demo@0``.
+
+    The salt is hashed (it may be a tenant secret) and appended as ``+<hex>``.
+    """
+    if not model_id:
+        raise ValueError("storage_namespace needs a non-empty model_id")
+    ns = f"{_component(model_id)}@{_component(str(weight_version))}"
+    if salt:
+        ns += "+" + blake2b(salt.encode(), digest_size=6).hexdigest()
+    return ns
+
+
+def object_key(namespace: str, block_hash: bytes, rank: int, tp_size: int) -> str:
+    """``<namespace>/<block hash hex>/<rank>of<tp>``."""
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank must be in [0, {tp_size}), got {rank}")
+    return f"{namespace}/{bytes(block_hash).hex()}/{rank}of{tp_size}"

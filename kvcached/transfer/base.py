@@ -1,0 +1,110 @@
+"""The Transfer interface: how the manager's planned moves get executed.
+
+The manager plans tasks (which blocks move where) and hands them to a
+Transfer; it never touches KV memory itself. ``InProcessTransfer`` copies in
+the engine process; ``WorkerTransfer`` fans each task out to one worker
+process per TP rank and completes it when every rank has answered.
+
+Completion is reported two ways: the ``TaskHandle`` (an event to wait on)
+and the Transfer's ``completed`` queue, which the manager drains on its own
+thread so that every tree transition happens in one place.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+TASK_KINDS = ("swap_out", "swap_in", "store", "load", "lookup", "control", "noop")
+
+
+@dataclass(slots=True)
+class Task:
+    """One unit of work sent to every rank. ids are block ids of the source/destination tier."""
+
+    kind: str
+    src: list[int]
+    dst: list[int]
+    args: dict[str, Any] = field(default_factory=dict)
+    task_id: int = 0
+
+
+@dataclass(slots=True)
+class TaskResult:
+    """The combined answer of every rank."""
+
+    task_id: int
+    ok: bool
+    error: str = ""
+    lost: bool = False  # a rank's worker was lost: the error is a WorkerLost
+    elapsed_s: float = 0.0
+    blocks_done: int = 0
+    per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+class TaskHandle:
+    """A future for one task; completed exactly once by the transfer."""
+
+    __slots__ = ("task", "result", "_event", "_sink")
+
+    def __init__(self, task: Task, sink: collections.deque):
+        self.task = task
+        self.result: TaskResult | None = None
+        self._event = threading.Event()
+        self._sink = sink
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True when completed within ``timeout`` seconds."""
+        return self._event.wait(timeout)
+
+    def complete(self, result: TaskResult) -> None:
+        if self._event.is_set():
+            return  # a late answer after a failure was already reported
+        self.result = result
+        self._sink.append(self)  # deque.append is atomic: safe from any thread
+        self._event.set()
+
+
+class Transfer(ABC):
+    """Executes the manager's tasks on every rank."""
+
+    def __init__(self) -> None:
+        self.completed: collections.deque[TaskHandle] = collections.deque()
+        self._ids = itertools.count(1)
+
+    def new_handle(self, task: Task) -> TaskHandle:
+        task.task_id = next(self._ids)
+        return TaskHandle(task, self.completed)
+
+    @abstractmethod
+    def start(self) -> None:
+        """Attach to every rank's KV planes and host pool; return when all are ready."""
+
+    @abstractmethod
+    def submit(self, task: Task) -> TaskHandle:
+        """Start ``task`` on every rank; never blocks on the copy itself."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop; tasks still in flight fail."""
+
+    def control(self, op: str, args: dict[str, Any] | None = None,
+                timeout_s: float = 10.0) -> dict[str, Any]:
+        """Apply a control operation on every rank (pause, resume, ...)."""
+        return {"ok": True, "op": op, "ranks": {}}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def healthy(self) -> bool:
+        """False once the transfer cannot move blocks any more (the CPU tier must go)."""
+        return True

@@ -1,0 +1,585 @@
+"""The wire protocol between the coordinator, the transfer workers and ``kvcached ctl``.
+
+Transport (not this module's business, stated here so the format is whole):
+the coordinator binds a ZMQ ROUTER; each worker connects a DEALER with identity
+``rank-<r>``; the ROUTER side prepends/strips that identity frame. The control
+socket used by the CLI is REQ/REP (or DEALER/ROUTER) with the same payloads.
+
+Payload: every message is ONE frame holding ONE msgpack map (str keys)::
+
+    {"v": 1, "kind": "<kind>", <field>: <value>, ...}
+
+``v`` is :data:`PROTOCOL_VERSION`; a different version is rejected, not guessed
+at. ``kind`` picks the message class; the map must then hold exactly that
+class's fields (a missing or an unknown key is an error, so both sides notice
+drift instead of silently dropping data). Field types on the wire:
+
+    int    msgpack int, within int64; a bool is NOT an int
+    float  msgpack float or int (decoded as float)
+    bool   msgpack true/false
+    str    msgpack str (UTF-8), at most ``Limits.max_str`` bytes
+    ids    array of ints, each 0 <= id < bound, at most ``Limits.max_ids`` long
+    map    map with str keys whose values are int, float, str, bool, nil, bin,
+           or arrays/maps of those, nested at most 4 containers deep below the map
+
+Kinds (direction; fields)::
+
+    hello      worker -> coord   rank:int pid:int protocol:int layout_digest:str
+                                 num_device_blocks:int num_host_blocks:int restarts:int
+    ready      coord -> worker   ok:bool error:str
+    task       coord -> worker   task_id:int task_kind:str src:ids dst:ids args:map
+    done       worker -> coord   task_id:int rank:int ok:bool error:str blocks_done:int
+                                 elapsed_s:float result:map
+    heartbeat  both ways         sender:str seq:int time:float info:map
+    error      reply to a frame that could not be decoded; error:str detail:str
+    shutdown   coord -> worker   reason:str
+    ctl        CLI -> coord      op:str args:map timeout_s:float
+    ctl_reply  coord -> CLI      ok:bool result:map error:str
+
+``task_kind`` is :attr:`Task.kind` (the wire key differs because ``kind`` names
+the message). Task kinds and their ids (device ids are bounded by
+``Limits.num_device_blocks``, host ids by ``Limits.num_host_blocks``)::
+
+    swap_out  src device ids -> dst host ids (same length)
+    swap_in   src host ids -> dst device ids (same length)
+    store     src host ids, dst empty, args["keys"]: one str per block
+    load      dst host ids, src empty, args["keys"]: one str per block
+    lookup    src and dst empty, args["keys"]: list of str
+    control   src and dst empty, args["op"] in CONTROL_OPS plus that op's args
+    noop      anything (latency benchmarks); ids only type-checked
+
+Hostile frames: a frame longer than ``Limits.max_frame_bytes`` is rejected
+before unpacking, and msgpack is unpacked with length limits on every string,
+binary, array and map, so a small frame cannot declare a huge allocation.
+Every problem raises :class:`ProtocolError` (a ``ValueError``); a receiver
+answers it with an :class:`ErrorReply` and keeps running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+# Containers allowed below an args/result/info map (the map itself not counted).
+MAX_NESTING = 4
+
+TASK_KINDS = frozenset({"swap_out", "swap_in", "store", "load", "lookup", "control", "noop"})
+CONTROL_OPS = frozenset({
+    "pause", "resume", "sleep", "wakeup", "update_weights", "status",
+    "attach_storage", "detach_storage",
+})
+
+
+class ProtocolError(ValueError):
+    """A frame or message that breaks the protocol.
+
+    ``kind`` and ``task_id`` are filled in when the frame got far enough to
+    show them, so a worker can still fail the right task instead of leaving
+    the coordinator's barrier waiting.
+    """
+
+    def __init__(self, message: str, *, kind: str | None = None, task_id: int | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.task_id = task_id
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds applied when encoding and decoding (hostile-frame protection).
+
+    ``num_device_blocks`` / ``num_host_blocks`` bound block ids in tasks;
+    ``None`` leaves them unchecked (e.g. before the handshake).
+    """
+
+    max_frame_bytes: int = 8 << 20
+    max_ids: int = 65536
+    num_device_blocks: int | None = None
+    num_host_blocks: int | None = None
+    max_str: int = 4096
+    max_map: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame_bytes", "max_ids", "max_str", "max_map"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"Limits.{name}={value!r}: must be a positive int")
+        for name in ("num_device_blocks", "num_host_blocks"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"Limits.{name}={value!r}: must be None or an int >= 0")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# ---------------------------------------------------------------------------
+# Field checkers: (value, where, limits) -> the value to keep, or ProtocolError.
+# They serve both directions, so a sender finds its own bug with a traceback
+# instead of the receiver answering "error".
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _fail(where: str, expected: str, value: Any) -> ProtocolError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ProtocolError(f"{where}: expected {expected}, got {_type_name(value)} {shown}")
+
+
+def _check_int(value: Any, where: str, limits: Limits) -> int:
+    if type(value) is not int:  # `is`, not isinstance: bool must not pass
+        raise _fail(where, "int", value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ProtocolError(f"{where}: {value} is outside int64")
+    return value
+
+
+def _check_bool(value: Any, where: str, limits: Limits) -> bool:
+    if type(value) is not bool:
+        raise _fail(where, "bool", value)
+    return value
+
+
+def _check_float(value: Any, where: str, limits: Limits) -> float:
+    kind = type(value)
+    if kind is float:
+        return value
+    if kind is int and INT64_MIN <= value <= INT64_MAX:
+        return float(value)
+    raise _fail(where, "float (or int)", value)
+
+
+def _str_fits(text: str, max_bytes: int) -> bool:
+    n = len(text)
+    # A char is at most 4 UTF-8 bytes, so short strings skip the encode.
+    return n <= max_bytes >> 2 or (
+        n <= max_bytes and len(text.encode("utf-8", "surrogatepass")) <= max_bytes)
+
+
+def _check_str(value: Any, where: str, limits: Limits) -> str:
+    if type(value) is not str:
+        raise _fail(where, "str", value)
+    if not _str_fits(value, limits.max_str):
+        raise ProtocolError(
+            f"{where}: string of {len(value)} chars exceeds max_str={limits.max_str} bytes")
+    return value
+
+
+def _check_ids(value: Any, where: str, limits: Limits) -> list[int]:
+    """Block ids: a list of ints in [0, int64 max]; kind-specific bounds come later."""
+    if type(value) not in (list, tuple):
+        raise _fail(where, "list of int", value)
+    if len(value) > limits.max_ids:
+        raise ProtocolError(f"{where}: {len(value)} ids exceed max_ids={limits.max_ids}")
+    if not value:
+        return []
+    # map/set/min/max run in C: ~3 ms for 64k ids instead of a Python loop.
+    if set(map(type, value)) != {int}:
+        bad = next(i for i, x in enumerate(value) if type(x) is not int)
+        raise _fail(f"{where}[{bad}]", "int block id", value[bad])
+    if min(value) < 0 or max(value) > INT64_MAX:
+        bad = next(i for i, x in enumerate(value) if not 0 <= x <= INT64_MAX)
+        raise ProtocolError(f"{where}[{bad}]: block id {value[bad]} is out of range")
+    return value if type(value) is list else list(value)
+
+
+_SCALARS = (int, float, str, bool, bytes, type(None))
+
+
+def _check_value(value: Any, where: str, depth: int, limits: Limits) -> Any:
+    """One value inside an args/result/info map; returns it with tuples as lists."""
+    kind = type(value)
+    if kind is int:
+        return _check_int(value, where, limits)
+    if kind is str:
+        return _check_str(value, where, limits)
+    if kind in (float, bool, bytes) or value is None:
+        return value
+    if kind in (list, tuple, dict):
+        if depth >= MAX_NESTING:
+            raise ProtocolError(f"{where}: nested deeper than {MAX_NESTING} containers")
+        if kind is dict:
+            return _check_dict(value, where, depth + 1, limits)
+        return _check_list(value, where, depth + 1, limits)
+    raise _fail(where, "int, float, str, bool, None, bytes, list or dict", value)
+
+
+def _check_list(value: list | tuple, where: str, depth: int, limits: Limits) -> list:
+    if len(value) > limits.max_ids:
+        raise ProtocolError(f"{where}: {len(value)} items exceed max_ids={limits.max_ids}")
+    types = set(map(type, value))
+    # Fast paths for the common homogeneous lists (keys, ids).
+    if types <= {str} and (not value or max(map(len, value)) <= limits.max_str >> 2):
+        return list(value)
+    if types <= {int} and (not value or INT64_MIN <= min(value) and max(value) <= INT64_MAX):
+        return list(value)
+    return [_check_value(x, f"{where}[{i}]", depth, limits) for i, x in enumerate(value)]
+
+
+def _check_dict(value: dict, where: str, depth: int, limits: Limits) -> dict:
+    if len(value) > limits.max_map:
+        raise ProtocolError(f"{where}: {len(value)} entries exceed max_map={limits.max_map}")
+    out = {}
+    for key, item in value.items():
+        if type(key) is not str:
+            raise _fail(f"{where} key", "str", key)
+        _check_str(key, f"{where} key", limits)
+        out[key] = _check_value(item, f"{where}[{key!r}]", depth, limits)
+    return out
+
+
+def _check_map(value: Any, where: str, limits: Limits) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _fail(where, "map", value)
+    return _check_dict(value, where, 0, limits)
+
+
+Checker = Callable[[Any, str, Limits], Any]
+_CHECKERS: dict[str, Checker] = {
+    "int": _check_int,
+    "bool": _check_bool,
+    "float": _check_float,
+    "str": _check_str,
+    "list[int]": _check_ids,
+    "dict[str, Any]": _check_map,
+}
+
+
+# ---------------------------------------------------------------------------
+# Messages
+
+
+class Message:
+    """Base of every message. ``KIND`` is the wire ``kind``; fields are the dataclass's."""
+
+    __slots__ = ()
+    KIND: ClassVar[str]
+    # (attribute, wire key, "where" prefix for errors, checker), built once per class.
+    _SPEC: ClassVar[tuple[tuple[str, str, str, Checker], ...]]
+    _KEYS: ClassVar[frozenset[str]]
+
+    def encode(self, limits: Limits | None = None) -> bytes:
+        """Shorthand for :func:`encode` (validates, then packs)."""
+        return encode(self, limits)
+
+    def validate(self, limits: Limits | None = None) -> None:
+        """Raise :class:`ProtocolError` if this message could not be sent."""
+        _to_wire(self, limits or DEFAULT_LIMITS)
+
+
+_BY_KIND: dict[str, type[Message]] = {}
+
+
+def _message(kind: str, /, **wire_names: str) -> Callable[[type], type]:
+    """Register a dataclass as message ``kind``; ``wire_names`` renames attributes on the wire."""
+
+    def register(cls: type) -> type:
+        spec = []
+        for f in dataclasses.fields(cls):
+            key = wire_names.get(f.name, f.name)
+            spec.append((f.name, key, f"{kind}.{key}", _CHECKERS[f.type]))
+        cls.KIND = kind
+        cls._SPEC = tuple(spec)
+        cls._KEYS = frozenset({"v", "kind"} | {key for _, key, _, _ in spec})
+        _BY_KIND[kind] = cls
+        return cls
+
+    return register
+
+
+@_message("hello")
+@dataclass(slots=True)
+class Hello(Message):
+    """Worker -> coordinator on connect: who it is and what memory layout it attached."""
+
+    rank: int
+    pid: int
+    protocol: int
+    layout_digest: str
+    num_device_blocks: int
+    num_host_blocks: int
+    restarts: int = 0
+
+
+@_message("ready")
+@dataclass(slots=True)
+class Ready(Message):
+    """Coordinator -> worker answer to hello; ``ok=False`` refuses it (``error`` says why)."""
+
+    ok: bool = True
+    error: str = ""
+
+
+@_message("task", kind="task_kind")
+@dataclass(slots=True)
+class Task(Message):
+    """Coordinator -> worker: one transfer or control task (see the module docstring)."""
+
+    task_id: int
+    kind: str
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@_message("done")
+@dataclass(slots=True)
+class Done(Message):
+    """Worker -> coordinator: the rank finished a task (ok or not)."""
+
+    task_id: int
+    rank: int
+    ok: bool = True
+    error: str = ""
+    blocks_done: int = 0
+    elapsed_s: float = 0.0
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+@_message("heartbeat")
+@dataclass(slots=True)
+class Heartbeat(Message):
+    """Liveness, both ways; ``info`` carries optional health numbers."""
+
+    sender: str
+    seq: int
+    time: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@_message("error")
+@dataclass(slots=True)
+class ErrorReply(Message):
+    """Reply to a frame that could not be decoded; the receiver keeps running."""
+
+    error: str
+    detail: str = ""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, limits: Limits | None = None) -> ErrorReply:
+        """Build a reply from ``exc``, clipped so that it always fits the limits."""
+        max_str = (limits or DEFAULT_LIMITS).max_str
+        return cls(clip(type(exc).__name__, max_str), clip(str(exc), max_str))
+
+
+@_message("shutdown")
+@dataclass(slots=True)
+class Shutdown(Message):
+    """Coordinator -> worker: exit cleanly."""
+
+    reason: str = ""
+
+
+@_message("ctl")
+@dataclass(slots=True)
+class CtlRequest(Message):
+    """CLI -> coordinator control socket: apply ``op`` on every rank within ``timeout_s``."""
+
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0
+
+
+@_message("ctl_reply")
+@dataclass(slots=True)
+class CtlReply(Message):
+    """Coordinator -> CLI: the outcome of a :class:`CtlRequest`."""
+
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+MESSAGE_KINDS = frozenset(_BY_KIND)
+
+
+def clip(text: str, max_bytes: int = DEFAULT_LIMITS.max_str) -> str:
+    """Cut ``text`` so that its UTF-8 form fits ``max_bytes`` (for error strings, tracebacks)."""
+    if _str_fits(text, max_bytes):
+        return text
+    raw = text.encode("utf-8", "surrogatepass")[: max_bytes - 3]
+    return raw.decode("utf-8", "ignore") + "..."
+
+
+# ---------------------------------------------------------------------------
+# Task semantics (beyond field types)
+
+
+def _check_bound(ids: list[int], where: str, bound: int | None, tier: str) -> None:
+    if bound is not None and ids and max(ids) >= bound:
+        bad = next(x for x in ids if x >= bound)
+        raise ProtocolError(f"{where}: {tier} block id {bad} >= num_{tier}_blocks={bound}")
+
+
+def _check_keys(task: Task, count: int | None) -> None:
+    keys = task.args.get("keys")
+    if type(keys) not in (list, tuple) or not set(map(type, keys)) <= {str}:
+        raise ProtocolError(f"task {task.kind}: args['keys'] must be a list of str")
+    if count is not None and len(keys) != count:
+        raise ProtocolError(
+            f"task {task.kind}: {len(keys)} keys for {count} blocks (need one key per block)")
+
+
+def _check_empty(task: Task, *names: str) -> None:
+    for name in names:
+        if getattr(task, name):
+            raise ProtocolError(f"task {task.kind}: {name} must be empty")
+
+
+def _check_task(task: Task, limits: Limits) -> None:
+    """Kind-specific rules: which ids are device/host, matching lengths, required args."""
+    kind, dev, host = task.kind, limits.num_device_blocks, limits.num_host_blocks
+    if kind not in TASK_KINDS:
+        raise ProtocolError(f"task.task_kind: unknown task kind {kind!r}; "
+                            f"expected one of {sorted(TASK_KINDS)}")
+    if kind in ("swap_out", "swap_in"):
+        if len(task.src) != len(task.dst):
+            raise ProtocolError(
+                f"task {kind}: src has {len(task.src)} ids but dst has {len(task.dst)}")
+        src_tier, dst_tier = ("device", "host") if kind == "swap_out" else ("host", "device")
+        _check_bound(task.src, f"task {kind} src", dev if kind == "swap_out" else host, src_tier)
+        _check_bound(task.dst, f"task {kind} dst", host if kind == "swap_out" else dev, dst_tier)
+    elif kind == "store":
+        _check_empty(task, "dst")
+        _check_bound(task.src, "task store src", host, "host")
+        _check_keys(task, len(task.src))
+    elif kind == "load":
+        _check_empty(task, "src")
+        _check_bound(task.dst, "task load dst", host, "host")
+        _check_keys(task, len(task.dst))
+    elif kind == "lookup":
+        _check_empty(task, "src", "dst")
+        _check_keys(task, None)
+    elif kind == "control":
+        _check_empty(task, "src", "dst")
+        op = task.args.get("op")
+        if type(op) is not str or op not in CONTROL_OPS:  # type first: a list is unhashable
+            raise ProtocolError(f"task control: args['op']={op!r} is not one of "
+                                f"{sorted(CONTROL_OPS)}")
+
+
+# ---------------------------------------------------------------------------
+# encode / decode
+
+
+def _to_wire(msg: Message, limits: Limits) -> dict[str, Any]:
+    wire: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
+    for attr, key, where, check in msg._SPEC:
+        wire[key] = check(getattr(msg, attr), where, limits)
+    if type(msg) is Task:
+        _check_task(msg, limits)
+    return wire
+
+
+def encode(msg: Message, limits: Limits | None = None) -> bytes:
+    """Validate ``msg`` against ``limits`` (default: :data:`DEFAULT_LIMITS`) and pack it
+    into one msgpack frame. Raises :class:`ProtocolError` if the receiver would reject it."""
+    if not isinstance(msg, Message):
+        raise ProtocolError(f"cannot encode {_type_name(msg)}: not a protocol message")
+    limits = limits or DEFAULT_LIMITS
+    try:
+        raw = msgpack.packb(_to_wire(msg, limits), use_bin_type=True)
+    except ProtocolError as exc:
+        exc.kind = msg.KIND
+        exc.task_id = getattr(msg, "task_id", None)
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a lone surrogate in a str
+        raise ProtocolError(f"{msg.KIND}: cannot pack: {exc}", kind=msg.KIND) from exc
+    if len(raw) > limits.max_frame_bytes:
+        raise ProtocolError(f"{msg.KIND}: encoded frame of {len(raw)} bytes exceeds "
+                            f"max_frame_bytes={limits.max_frame_bytes}", kind=msg.KIND)
+    return raw
+
+
+def _unpack(raw: Any, limits: Limits) -> Any:
+    try:
+        size = memoryview(raw).nbytes
+    except TypeError:
+        raise ProtocolError(f"frame must be bytes-like, got {_type_name(raw)}") from None
+    if size > limits.max_frame_bytes:
+        # Checked before unpacking so an oversize frame costs nothing to refuse.
+        raise ProtocolError(
+            f"frame of {size} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
+    try:
+        # unpackb has no max_buffer_size (that is the streaming Unpacker's); the
+        # frame-size check above plays that role for a one-shot buffer.
+        return msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=limits.max_str, max_bin_len=limits.max_frame_bytes,
+            max_array_len=limits.max_ids, max_map_len=limits.max_map, max_ext_len=0)
+    except msgpack.StackError:
+        raise ProtocolError("not a valid frame: msgpack nesting too deep") from None
+    except msgpack.ExtraData:
+        raise ProtocolError("not a valid frame: trailing bytes after the message") from None
+    except Exception as exc:  # noqa: BLE001 - any failure of the parser means a bad frame
+        raise ProtocolError(f"not a valid msgpack frame: {type(exc).__name__}: {exc}") from None
+
+
+def _check_header(obj: Any) -> type[Message]:
+    if type(obj) is not dict:
+        raise ProtocolError(f"message must be a msgpack map, got {_type_name(obj)}")
+    if "v" not in obj:
+        raise ProtocolError("message has no protocol version field 'v'")
+    version = obj["v"]
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version mismatch: frame has v={version!r}, "
+                            f"this side speaks v={PROTOCOL_VERSION}; upgrade both sides together")
+    kind = obj.get("kind")
+    cls = _BY_KIND.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}; expected one of {sorted(_BY_KIND)}")
+    return cls
+
+
+def _check_keys_exact(obj: dict, cls: type[Message], task_id: int | None) -> None:
+    problems = []
+    missing = cls._KEYS - obj.keys()
+    if missing:
+        problems.append(f"missing field(s) {sorted(missing)}")
+    unknown = obj.keys() - cls._KEYS
+    if unknown:
+        problems.append(f"unknown field(s) [{', '.join(sorted(map(repr, unknown)))}]")
+    raise ProtocolError(f"{cls.KIND}: {'; '.join(problems)}", kind=cls.KIND, task_id=task_id)
+
+
+def decode(raw: bytes, limits: Limits | None = None) -> Message:
+    """Decode and validate one frame; raises :class:`ProtocolError` on anything wrong.
+
+    ``limits`` (default :data:`DEFAULT_LIMITS`) bounds the frame, lists, strings
+    and, when set, the block ids of tasks.
+    """
+    limits = limits or DEFAULT_LIMITS
+    obj = _unpack(raw, limits)
+    cls = _check_header(obj)
+    task_id = obj.get("task_id")
+    task_id = task_id if type(task_id) is int else None
+    if len(obj) != len(cls._KEYS) or not obj.keys() <= cls._KEYS:
+        _check_keys_exact(obj, cls, task_id)
+    try:
+        msg = cls(*[check(obj[key], where, limits) for _, key, where, check in cls._SPEC])
+        if cls is Task:
+            _check_task(msg, limits)
+    except ProtocolError as exc:
+        exc.kind, exc.task_id = cls.KIND, task_id
+        raise
+    return msg
+
+
+__all__ = [
+    "CONTROL_OPS", "DEFAULT_LIMITS", "MAX_NESTING", "MESSAGE_KINDS", "PROTOCOL_VERSION",
+    "TASK_KINDS", "CtlReply", "CtlRequest", "Done", "ErrorReply", "Heartbeat", "Hello",
+    "Limits", "Message", "ProtocolError", "Ready", "Shutdown", "Task", "clip", "decode",
+    "encode",
+]

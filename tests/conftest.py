@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny configs, managers that always close, clean env."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcached import CacheConfig
+from kvcached.manager import CacheManager
+
+TINY = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_gpu_blocks=8,
+            num_cpu_blocks=0, transfer_mode="inprocess", create_cache=True, dtype="float32")
+
+
+def tiny_config(**overrides) -> CacheConfig:
+    """A 64-byte-per-plane layout: scenario tests reason about ids, not bytes."""
+    return CacheConfig.load(**{**TINY, **overrides})
+
+
+def toks(*blocks: int, bs: int = 4, tail: int = 0) -> list[int]:
+    """Tokens made of whole blocks: block ``b`` is ``bs`` copies of ``b``; plus ``tail`` extra."""
+    out = [b for b in blocks for _ in range(bs)]
+    return out + [9999] * tail
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """A developer's KVCACHED_* settings must not change test outcomes."""
+    for key in list(os.environ):
+        if key.startswith("KVCACHED_") and key not in ("KVCACHED_CACHE_DIR", "KVCACHED_LOG_LEVEL"):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture
+def make_manager(tmp_path):
+    """Build started in-process managers on tiny configs; all are closed at teardown."""
+    made: list[CacheManager] = []
+
+    def make(transfer=None, **overrides) -> CacheManager:
+        """``transfer``: an optional factory ``(cfg, run_dir) -> Transfer``."""
+        overrides.setdefault("run_dir", str(tmp_path / f"run{len(made)}"))
+        cfg = tiny_config(**overrides)
+        mgr = CacheManager(cfg, transfer=transfer(cfg, cfg.run_dir) if transfer else None)
+        made.append(mgr)
+        return mgr.start()
+
+    yield make
+    for mgr in made:
+        mgr.close()

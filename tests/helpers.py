@@ -1,0 +1,47 @@
+"""Test helpers shared by several test modules."""
+
+from __future__ import annotations
+
+from kvcached.transfer.base import Task, TaskHandle, TaskResult
+from kvcached.transfer.inprocess import InProcessTransfer
+
+
+class FlakyTransfer(InProcessTransfer):
+    """In-process copies, except that tasks of the kinds in ``fail_kinds`` fail
+    without touching memory (as a worker that reports an error would)."""
+
+    def __init__(self, cfg, run_dir):
+        super().__init__(cfg, run_dir)
+        self.fail_kinds: set[str] = set()
+        self.lost = False
+        self.submitted: list[Task] = []
+
+    def submit(self, task: Task) -> TaskHandle:
+        self.submitted.append(task)
+        if task.kind in self.fail_kinds:
+            handle = self.new_handle(task)
+            handle.complete(TaskResult(task.task_id, False, "injected failure", lost=self.lost))
+            return handle
+        return super().submit(task)
+
+
+def snapshot(mgr) -> tuple:
+    """Everything allocate may change, to prove a failed call changed nothing."""
+    nodes = sorted((n.hash, n.state, n.gpu, n.cpu, n.ref, n.last_access)
+                   for n in mgr.tree.walk())
+    reqs = sorted((str(r.rid), tuple(r.blocks), len(r.nodes)) for r in mgr._reqs.values())
+    return (mgr.gpu_pool.free_ids(), mgr.cpu_pool.free_ids(), nodes, reqs,
+            sorted(n.hash for n in mgr.tree.gpu_lru.nodes()),
+            sorted(n.hash for n in mgr.tree.cpu_lru.nodes()))
+
+
+def tier_of(mgr, token_ids, extra_key=None):
+    """States of the cached nodes along ``token_ids``'s path, root first."""
+    from kvcached.hashing import block_hashes
+    node, out = mgr.tree.root, []
+    for h in block_hashes(mgr._ns, token_ids, mgr.block_size, extra_key):
+        node = node.children.get(h)
+        if node is None:
+            break
+        out.append((node.state.name, node.gpu, node.cpu))
+    return out

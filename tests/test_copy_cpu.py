@@ -1,0 +1,310 @@
+"""CpuCopyEngine (native and torch backends) against a plain slicing reference."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvcached.copy import cpu, native_build
+from kvcached.copy.cpu import CpuCopyEngine
+from kvcached.copy.native_build import BuildError, CompilerNotFound, build_shared_library
+from kvcached.layout import TORCH_DTYPES, KVLayout
+
+# Odd head counts / head dims so planes are not multiples of 16 bytes and the
+# host pool has padding between planes that must stay untouched.
+LAYOUTS = {
+    "bf16": KVLayout(2, 3, 5, 4, "bfloat16"),
+    "fp16": KVLayout(2, 2, 8, 4, "float16"),
+    "fp32": KVLayout(2, 3, 5, 4, "float32"),
+    "fp8+scales": KVLayout(2, 3, 5, 4, "float8_e4m3fn"),
+    "mla-bf16": KVLayout(3, 1, 12, 4, "bfloat16", mla=True),
+    "mla-fp8": KVLayout(2, 1, 7, 4, "float8_e4m3fn", mla=True),
+}
+BIG = KVLayout(4, 4, 64, 16, "float32")  # the default layout: 8 planes of 16 KiB
+
+
+# ------------------------------------------------------------------ helpers
+@pytest.fixture(params=["native", "torch"])
+def backend(request) -> str:
+    if request.param == "native":
+        try:
+            cpu.load_native()
+        except RuntimeError as e:
+            pytest.skip(f"native library unavailable: {e}")
+    return request.param
+
+
+def make_planes(layout: KVLayout, num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random bytes in every plane (any bit pattern is fine: we compare bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for spec in layout.planes:
+        raw = torch.randint(0, 256, (num_blocks, spec.block_bytes), dtype=torch.uint8, generator=g)
+        out.append(raw.view(TORCH_DTYPES[spec.dtype]).view(num_blocks, *spec.shape))
+    return out
+
+
+def make_host(layout: KVLayout, num_blocks: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (num_blocks, layout.block_bytes), dtype=torch.uint8, generator=g)
+
+
+def block_bytes(plane: torch.Tensor, b: int) -> torch.Tensor:
+    return plane[b].reshape(-1).view(torch.uint8)
+
+
+def expected_host(host: torch.Tensor, planes, offsets, dev_ids, host_ids) -> torch.Tensor:
+    """The reference: each (device, host) pair copied plane by plane with slicing."""
+    out = host.clone()
+    for d, h in zip(dev_ids, host_ids, strict=True):
+        for plane, off in zip(planes, offsets, strict=True):
+            src = block_bytes(plane, d)
+            out[h, off:off + src.numel()] = src
+    return out
+
+
+def snapshot(planes) -> list[torch.Tensor]:
+    return [p.clone() for p in planes]
+
+
+def assert_planes_equal(a, b) -> None:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"plane {i} differs"
+
+
+def engine(planes, host, layout, backend, threads=1) -> CpuCopyEngine:
+    eng = CpuCopyEngine(planes, host, layout.host_offsets, threads=threads,
+                        native=(backend == "native"))
+    assert eng.backend == backend
+    return eng
+
+
+def pick_ids(rng, pattern: str, num_dev: int, num_host: int, n: int):
+    if pattern == "consecutive":  # runs on both sides, broken in the middle
+        return [2, 3, 4, 7, 8][:n], [0, 1, 2, 3, 9][:n]
+    return (rng.choice(num_dev, n, replace=False).tolist(),
+            rng.choice(num_host, n, replace=False).tolist())
+
+
+# ------------------------------------------------------------- round trips
+@pytest.mark.parametrize("pattern", ["random", "consecutive"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_round_trip_is_byte_exact(backend, name, pattern):
+    layout, rng = LAYOUTS[name], np.random.default_rng(7)
+    planes, host = make_planes(layout, 12), make_host(layout, 16)
+    originals = snapshot(planes)
+    dev_ids, host_ids = pick_ids(rng, pattern, 12, 16, 5)
+    eng = engine(planes, host, layout, backend)
+
+    want = expected_host(host, planes, layout.host_offsets, dev_ids, host_ids)
+    moved = eng.swap_out(dev_ids, host_ids)
+    assert moved == 5 * sum(layout.plane_bytes)
+    assert torch.equal(host, want)  # copied slots and untouched padding/other blocks
+    assert_planes_equal(planes, originals)
+
+    # Back into different device blocks, in another order.
+    free = [b for b in range(12) if b not in dev_ids]
+    targets = rng.choice(free, 5, replace=False).tolist()
+    order = rng.permutation(5)
+    assert eng.swap_in([host_ids[i] for i in order], [targets[i] for i in order]) == moved
+    for i in range(5):
+        for p, orig in zip(planes, originals, strict=True):
+            assert torch.equal(block_bytes(p, targets[i]), block_bytes(orig, dev_ids[i]))
+    untouched = [b for b in range(12) if b not in targets]
+    for p, orig in zip(planes, originals, strict=True):
+        assert torch.equal(p[untouched].view(torch.uint8), orig[untouched].view(torch.uint8))
+
+
+def test_padded_block_stride_and_sliced_planes(backend):
+    """vLLM-style [2, num_blocks, ...] planes and blocks with a gap between them."""
+    layout = LAYOUTS["fp16"]
+    shape = layout.planes[0].shape
+    kv = torch.randn(2, 6, *shape).half()
+    gapped = torch.randn(6, 2, *shape).half()[:, 1]  # stride(0) is two blocks
+    planes = [kv[0], kv[1], gapped, gapped.clone()]
+    host = make_host(layout, 4)
+    originals = snapshot(planes)
+    eng = engine(planes, host, layout, backend)
+    want = expected_host(host, planes, layout.host_offsets, [5, 0], [3, 1])
+    eng.swap_out([5, 0], [3, 1])
+    assert torch.equal(host, want)
+    eng.swap_in([3, 1], [2, 4])
+    for p, orig in zip(planes, originals, strict=True):
+        assert torch.equal(block_bytes(p, 2), block_bytes(orig, 5))
+        assert torch.equal(block_bytes(p, 4), block_bytes(orig, 0))
+    for b in (0, 1, 3, 5):
+        assert torch.equal(block_bytes(kv[0], b), block_bytes(originals[0], b))
+
+
+def test_empty_task_moves_nothing(backend):
+    layout = LAYOUTS["fp32"]
+    planes, host = make_planes(layout, 3), make_host(layout, 3)
+    before = host.clone()
+    eng = engine(planes, host, layout, backend)
+    assert eng.swap_out([], []) == 0 and eng.swap_in([], []) == 0
+    assert torch.equal(host, before)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_give_the_same_bytes(backend, threads):
+    planes, rng = make_planes(BIG, 40), np.random.default_rng(3)
+    dev_ids, host_ids = pick_ids(rng, "random", 40, 40, 33)  # 4 MiB: the C side splits it
+    hosts = []
+    for t in (1, threads):
+        host = torch.zeros(40, BIG.block_bytes, dtype=torch.uint8)
+        engine(planes, host, BIG, backend, threads=t).swap_out(dev_ids, host_ids)
+        hosts.append(host)
+    assert torch.equal(hosts[0], hosts[1])
+    back = [torch.zeros_like(p) for p in planes]
+    engine(back, hosts[1], BIG, backend, threads=threads).swap_in(host_ids, dev_ids)
+    for p, b in zip(planes, back, strict=True):
+        assert torch.equal(p[dev_ids].view(torch.uint8), b[dev_ids].view(torch.uint8))
+
+
+# ---------------------------------------------------------------- bad input
+BAD_CASES = {
+    "negative device": ([1, -1], [0, 1], "device block id -1 at index 1"),
+    "device too large": ([1, 6], [0, 1], "device block id 6 at index 1 .*0\\.\\.5"),
+    "negative host": ([1, 2], [-3, 1], "host block id -3 at index 0"),
+    "host too large": ([1, 2], [0, 4], "host block id 4 at index 1 .*0\\.\\.3"),
+    "length mismatch": ([1, 2, 3], [0, 1], "3 device ids but 2 host ids"),
+    "duplicate destination": ([1, 2], [2, 2], "destination twice"),
+    "not integers": ([1.5], [0], "must be integers"),
+}
+
+
+@pytest.mark.parametrize("direction", ["swap_out", "swap_in"])
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_ids_raise_and_touch_nothing(backend, case, direction):
+    layout = LAYOUTS["fp8+scales"]
+    planes, host = make_planes(layout, 6), make_host(layout, 4)
+    planes_before, host_before = snapshot(planes), host.clone()
+    eng = engine(planes, host, layout, backend)
+    dev, hst, msg = BAD_CASES[case]
+    if case == "duplicate destination" and direction == "swap_in":
+        dev, hst, msg = [3, 3], [0, 1], "device block id 3 is a destination twice"
+    with pytest.raises(ValueError, match=msg):
+        if direction == "swap_out":
+            eng.swap_out(dev, hst)
+        else:
+            eng.swap_in(hst, dev)
+    assert torch.equal(host, host_before)
+    assert_planes_equal(planes, planes_before)
+
+
+def test_bad_planes_and_pool_are_rejected():
+    layout = LAYOUTS["fp32"]
+    planes, host = make_planes(layout, 4), make_host(layout, 2)
+    with pytest.raises(ValueError, match="contiguous from dim 1"):
+        CpuCopyEngine([planes[0].transpose(1, 2)] + planes[1:], host, layout.host_offsets)
+    with pytest.raises(ValueError, match="same number of blocks"):
+        CpuCopyEngine([planes[0][:3]] + planes[1:], host, layout.host_offsets)
+    with pytest.raises(ValueError, match="uint8"):
+        CpuCopyEngine(planes, host.float(), layout.host_offsets)
+    with pytest.raises(ValueError, match="outside the host block"):
+        CpuCopyEngine(planes, host[:, :-16].contiguous(), layout.host_offsets)
+    with pytest.raises(ValueError, match="contiguous CPU uint8"):
+        CpuCopyEngine(planes, host[:, :-16], layout.host_offsets)
+    with pytest.raises(ValueError, match="host offsets"):
+        CpuCopyEngine(planes, host, layout.host_offsets[:-1])
+
+
+# ------------------------------------------------------------ native library
+def raw_call(eng: CpuCopyEngine, dev, host, direction=cpu.TO_HOST, offsets=None):
+    """kvc_cpu_copy with the engine's tables, bypassing every Python check."""
+    dev, host = np.asarray(dev, dtype=np.int64), np.asarray(host, dtype=np.int64)
+    offs = eng._offsets if offsets is None else np.asarray(offsets, dtype=np.int64)
+    err = ctypes.c_int64(123)
+    rc = eng._lib.kvc_cpu_copy(
+        eng._ptrs.ctypes.data, eng._strides.ctypes.data, eng._nbytes.ctypes.data,
+        offs.ctypes.data, len(eng.planes), eng.num_device_blocks, eng.host_pool.data_ptr(),
+        eng.host_block_bytes, eng.num_host_blocks, dev.ctypes.data, host.ctypes.data,
+        dev.size, direction, 1, ctypes.addressof(err))
+    return rc, err.value
+
+
+def test_native_library_rejects_bad_ids_itself():
+    try:
+        cpu.load_native()
+    except RuntimeError as e:
+        pytest.skip(f"native library unavailable: {e}")
+    layout = LAYOUTS["fp8+scales"]
+    planes, host = make_planes(layout, 6), make_host(layout, 4)
+    planes_before, host_before = snapshot(planes), host.clone()
+    eng = engine(planes, host, layout, "native")
+    bad_offsets = list(layout.host_offsets[:-1]) + [layout.block_bytes - 1]
+    cases = [  # (device ids, host ids, direction, offsets) -> (code, index)
+        (([0, 1, 6], [0, 1, 2], cpu.TO_HOST, None), (cpu.ERR_DEVICE_ID, 2)),
+        (([0, -1], [0, 1], cpu.TO_DEVICE, None), (cpu.ERR_DEVICE_ID, 1)),
+        (([0, 1], [-5, 1], cpu.TO_HOST, None), (cpu.ERR_HOST_ID, 0)),
+        (([0, 1], [0, 4], cpu.TO_DEVICE, None), (cpu.ERR_HOST_ID, 1)),
+        (([0], [0], 7, None), (-6, -1)),
+        (([0], [0], cpu.TO_HOST, bad_offsets), (-3, len(bad_offsets) - 1)),
+    ]
+    for args, want in cases:
+        assert raw_call(eng, *args) == want, args
+        assert eng._lib.kvc_cpu_copy_strerror(want[0]) != b"unknown error code"
+    assert torch.equal(host, host_before)
+    assert_planes_equal(planes, planes_before)
+    assert raw_call(eng, [2], [3]) == (0, -1)  # the same tables work for a good task
+    with pytest.raises(ValueError, match="device block id 9 at index 0"):
+        eng._copy_native(np.array([9]), np.array([0]), cpu.TO_HOST)
+
+
+def test_native_call_releases_the_gil():
+    try:
+        lib = cpu.load_native()
+    except RuntimeError as e:
+        pytest.skip(f"native library unavailable: {e}")
+    # ctypes drops the GIL around calls through CDLL, never through PyDLL.
+    assert isinstance(lib, ctypes.CDLL) and not isinstance(lib, ctypes.PyDLL)
+
+
+def test_env_forces_the_torch_fallback(monkeypatch):
+    layout = LAYOUTS["fp16"]
+    monkeypatch.setenv("KVCACHED_NO_NATIVE", "1")
+    eng = CpuCopyEngine(make_planes(layout, 2), make_host(layout, 2), layout.host_offsets)
+    assert eng.backend == "torch"
+
+
+# ------------------------------------------------------------------- build
+def test_lazy_build_is_cached(tmp_path, monkeypatch):
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("KVCACHED_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "lib.c"
+    src.write_text("int kvc_answer(void) { return 42; }\n")
+    count = native_build.compile_count
+    first = build_shared_library("answer", [src])
+    assert native_build.compile_count == count + 1
+    mtime = first.stat().st_mtime_ns
+    assert build_shared_library("answer", [src]) == first  # cached: no compiler run
+    assert native_build.compile_count == count + 1 and first.stat().st_mtime_ns == mtime
+    assert ctypes.CDLL(str(first)).kvc_answer() == 42
+    assert not [p for p in first.parent.iterdir() if p.name.endswith(".tmp")]
+
+    src.write_text("int kvc_answer(void) { return 43; }\n")  # new source -> new file
+    second = build_shared_library("answer", [src])
+    assert second != first and ctypes.CDLL(str(second)).kvc_answer() == 43
+
+
+def test_build_errors_are_clear(tmp_path, monkeypatch):
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("KVCACHED_CACHE_DIR", str(tmp_path))
+    src = tmp_path / "broken.c"
+    src.write_text("int broken(void) { return }\n")
+    with pytest.raises(BuildError, match="broken.c"):
+        build_shared_library("broken", [src])
+    assert not list(tmp_path.glob("broken-*.so")) and not list(tmp_path.glob(".*tmp"))
+    with pytest.raises(CompilerNotFound):
+        build_shared_library("broken", [src], compiler_cmd="no-such-compiler-kvc")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(CompilerNotFound):
+        build_shared_library("broken", [src])
+    assert os.environ["PATH"].endswith("empty")

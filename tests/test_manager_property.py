@@ -1,0 +1,121 @@
+"""Random allocate / commit / extend / free / eviction / failed transfers,
+with ``check_invariants()`` after every step (hypothesis stateful testing).
+
+100 examples x 100 steps = 10,000 steps in CI.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+from conftest import tiny_config
+from helpers import FlakyTransfer
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcached import NoFreeBlocks, TransferFailed
+from kvcached.manager import CacheManager
+
+BS = 4
+# Few distinct block values so that prompts share prefixes and collide often.
+prompts = st.lists(st.integers(1, 3), min_size=1, max_size=5).flatmap(
+    lambda blocks: st.integers(0, BS - 1).map(
+        lambda tail: [b for b in blocks for _ in range(BS)] + [7] * tail))
+
+
+STEPS = [0]  # steps run by every example, checked by test_enough_steps_ran
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kvc-prop-")
+        cfg = tiny_config(run_dir=self.dir, num_gpu_blocks=12, num_cpu_blocks=6)
+        self.transfer = FlakyTransfer(cfg, self.dir)
+        self.mgr = CacheManager(cfg, transfer=self.transfer).start()
+        self.running: dict[int, list[int]] = {}  # rid -> tokens it holds
+        self.next_id = 0
+
+    def teardown(self):
+        self.mgr.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @rule(tokens=prompts, reserve=st.integers(0, 6))
+    def allocate(self, tokens, reserve):
+        rid, self.next_id = self.next_id, self.next_id + 1
+        try:
+            a = self.mgr.allocate(rid, tokens, reserve_tokens=reserve)
+        except (NoFreeBlocks, TransferFailed):
+            return
+        assert len(a.block_ids) == -(-(len(tokens) + reserve) // BS)
+        assert a.num_cached_tokens <= len(tokens) - 1
+        try:
+            a.wait()
+        except TransferFailed:
+            assert a.num_cached_tokens == a.hit.gpu_tokens
+        assert a.num_cached_tokens == a.hit.gpu_tokens + a.hit.cpu_tokens
+        self.running[rid] = list(tokens)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def commit(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        tokens = self.running[rid]
+        n = data.draw(st.integers(0, len(tokens)))
+        ids = self.mgr.commit(rid, tokens, n)
+        assert len(set(ids)) == len(ids)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), extra=st.lists(st.integers(1, 3), max_size=6))
+    def extend_and_commit(self, data, extra):
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        try:
+            self.mgr.extend(rid, len(extra))
+        except (NoFreeBlocks, TransferFailed):
+            return
+        self.running[rid] = self.running[rid] + extra
+        self.mgr.commit(rid, self.running[rid], len(self.running[rid]))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        self.mgr.free(rid)
+        del self.running[rid]
+
+    @rule(kinds=st.sets(st.sampled_from(["swap_out", "swap_in"])), lost=st.booleans())
+    def set_failures(self, kinds, lost):
+        self.transfer.fail_kinds = kinds
+        self.transfer.lost = lost
+
+    @rule(n=st.integers(1, 12))
+    def force_eviction(self, n):
+        """A big request that pushes most idle blocks out, then leaves."""
+        rid, self.next_id = self.next_id, self.next_id + 1
+        tokens = [100 + rid] * (n * BS)
+        try:
+            self.mgr.allocate(rid, tokens)
+        except (NoFreeBlocks, TransferFailed):
+            return
+        self.mgr.free(rid)
+
+    @invariant()
+    def invariants_hold(self):
+        STEPS[0] += 1
+        self.mgr.check_invariants()
+        st_ = self.mgr.stats()
+        assert st_.tiers["gpu"].used + st_.tiers["gpu"].free == 12
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(
+    max_examples=150, stateful_step_count=100, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def test_enough_steps_ran():
+    """Runs after the machine (file order): CI must have checked >= 10,000 steps."""
+    print(f"stateful steps checked: {STEPS[0]}")
+    assert STEPS[0] >= 10_000
