@@ -72,6 +72,27 @@ struct KernelParams {
 // ---------------------------------------------------------------------------
 // Kernel body (host + device, so kvc_emulate_kernel runs the same code).
 
+// Every byte is touched once: streaming (evict-first) loads and stores keep
+// the copy from flushing the model's working set out of L2. Both sides are
+// global memory (device planes, or pinned host memory through UVA).
+template <typename T>
+KVC_HD T load_stream(const T* p) {
+#ifdef __CUDA_ARCH__
+  return __ldcs(p);
+#else
+  return *p;
+#endif
+}
+
+template <typename T>
+KVC_HD void store_stream(T* p, const T& v) {
+#ifdef __CUDA_ARCH__
+  __stcs(p, v);
+#else
+  *p = v;
+#endif
+}
+
 // Lane `lane` of a warp copies its share of [src, src + len) with T-wide
 // accesses; both pointers are T-aligned. The bytes past the last whole T
 // (only in a plane's last chunk) go one by one.
@@ -86,12 +107,12 @@ KVC_HD void copy_vectors(char* dst, const char* src, uint64_t len, int lane) {
     KVC_UNROLL
     for (int j = 0; j < kUnroll; ++j) {
       const uint64_t i = base + static_cast<uint64_t>(j * kLanes + lane);
-      if (i < n) r[j] = s[i];
+      if (i < n) r[j] = load_stream(s + i);
     }
     KVC_UNROLL
     for (int j = 0; j < kUnroll; ++j) {
       const uint64_t i = base + static_cast<uint64_t>(j * kLanes + lane);
-      if (i < n) d[i] = r[j];
+      if (i < n) store_stream(d + i, r[j]);
     }
   }
   for (uint64_t i = n * sizeof(T) + static_cast<uint64_t>(lane); i < len; i += kLanes) {
@@ -377,11 +398,40 @@ void pair_ptrs(const kvc_task_t& t, int p, int32_t i, char** dst, const char** s
   *src = d2h ? dev : host;
 }
 
+// The direct path's plan is written once against a "copier" so that
+// kvc_emulate_direct can run the very same plan with memcpy on the CPU.
+struct CudaCopier {
+  cudaStream_t stream;
+  cudaMemcpyKind kind;
+  int copy(char* dst, const char* src, size_t n) {
+    KVC_CUDA(cudaMemcpyAsync(dst, src, n, kind, stream), "cudaMemcpyAsync");
+    return KVC_OK;
+  }
+  int copy2d(char* dst, size_t dpitch, const char* src, size_t spitch, size_t width,
+             size_t rows) {
+    KVC_CUDA(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, stream),
+             "cudaMemcpy2DAsync");
+    return KVC_OK;
+  }
+};
+
+struct HostCopier {
+  int copy(char* dst, const char* src, size_t n) {
+    std::memcpy(dst, src, n);
+    return KVC_OK;
+  }
+  int copy2d(char* dst, size_t dpitch, const char* src, size_t spitch, size_t width,
+             size_t rows) {
+    for (size_t r = 0; r < rows; ++r) std::memcpy(dst + r * dpitch, src + r * spitch, width);
+    return KVC_OK;
+  }
+};
+
 // One copy per (plane, run of pairs whose src and dst ids both step by one):
 // a run is a 2D copy (rows = blocks, pitches = device stride / host block bytes).
-int direct_runs(const kvc_task_t& t, cudaStream_t stream) {
+template <typename Copier>
+int direct_runs(const kvc_task_t& t, Copier& copier) {
   const bool d2h = t.direction == KVC_D2H;
-  const cudaMemcpyKind kind = kind_of(t.direction);
   for (int p = 0; p < t.num_planes; ++p) {
     const kvc_plane_t& pl = t.planes[p];
     const size_t dpitch = d2h ? t.host_block_bytes : pl.dev_stride;
@@ -397,62 +447,74 @@ int direct_runs(const kvc_task_t& t, cudaStream_t stream) {
       const char* src;
       pair_ptrs(t, p, i, &dst, &src);
       const size_t rows = static_cast<size_t>(j - i);
-      if (rows == 1 || (dpitch == pl.nbytes && spitch == pl.nbytes)) {
-        KVC_CUDA(cudaMemcpyAsync(dst, src, pl.nbytes * rows, kind, stream), "cudaMemcpyAsync");
-      } else {
-        KVC_CUDA(cudaMemcpy2DAsync(dst, dpitch, src, spitch, pl.nbytes, rows, kind, stream),
-                 "cudaMemcpy2DAsync");
-      }
+      const int rc = (rows == 1 || (dpitch == pl.nbytes && spitch == pl.nbytes))
+                         ? copier.copy(dst, src, pl.nbytes * rows)
+                         : copier.copy2d(dst, dpitch, src, spitch, pl.nbytes, rows);
+      if (rc != KVC_OK) return rc;
       i = j;
     }
   }
   return KVC_OK;
 }
 
-#if KVC_HAVE_BATCH_MEMCPY
-// All block-planes in one cudaMemcpyBatchAsync, merging neighbours that are
-// contiguous on both sides. The legacy default stream is not allowed there.
-int direct_batch(const kvc_task_t& t, cudaStream_t stream) {
+// The batch path's copy list: one entry per block-plane, neighbours that are
+// contiguous on both sides merged.
+struct Segments {
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
+};
+
+int batch_segments(const kvc_task_t& t, Segments* out) {
   try {
     const size_t n = static_cast<size_t>(t.count) * static_cast<size_t>(t.num_planes);
-    dsts.reserve(n);
-    srcs.reserve(n);
-    sizes.reserve(n);
+    out->dsts.reserve(n);
+    out->srcs.reserve(n);
+    out->sizes.reserve(n);
     for (int p = 0; p < t.num_planes; ++p) {
       for (int32_t i = 0; i < t.count; ++i) {
         char* dst;
         const char* src;
         pair_ptrs(t, p, i, &dst, &src);
         const size_t nb = t.planes[p].nbytes;
-        if (!sizes.empty() && static_cast<char*>(dsts.back()) + sizes.back() == dst &&
-            static_cast<const char*>(srcs.back()) + sizes.back() == src) {
-          sizes.back() += nb;
+        if (!out->sizes.empty() &&
+            static_cast<char*>(out->dsts.back()) + out->sizes.back() == dst &&
+            static_cast<const char*>(out->srcs.back()) + out->sizes.back() == src) {
+          out->sizes.back() += nb;
         } else {
-          dsts.push_back(dst);
-          srcs.push_back(src);
-          sizes.push_back(nb);
+          out->dsts.push_back(dst);
+          out->srcs.push_back(src);
+          out->sizes.push_back(nb);
         }
       }
     }
   } catch (const std::bad_alloc&) {
     return fail(KVC_ERR_HOST_ALLOC, "out of host memory for the batch copy list");
   }
+  return KVC_OK;
+}
+
+#if KVC_HAVE_BATCH_MEMCPY
+// All block-planes in one cudaMemcpyBatchAsync. The legacy default stream is
+// not allowed there (the caller falls back to direct_runs).
+int direct_batch(const kvc_task_t& t, cudaStream_t stream) {
+  Segments seg;
+  const int rc = batch_segments(t, &seg);
+  if (rc != KVC_OK) return rc;
   cudaMemcpyAttributes attr;
   std::memset(&attr, 0, sizeof(attr));
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // the source may still be written
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
   size_t attr_idx = 0;
 #if CUDART_VERSION >= 13000
-  KVC_CUDA(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr,
-                                &attr_idx, 1, stream),
+  KVC_CUDA(cudaMemcpyBatchAsync(seg.dsts.data(), seg.srcs.data(), seg.sizes.data(),
+                                seg.sizes.size(), &attr, &attr_idx, 1, stream),
            "cudaMemcpyBatchAsync");
 #else
   size_t fail_idx = 0;
-  KVC_CUDA(cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(),
-                                sizes.size(), &attr, &attr_idx, 1, &fail_idx, stream),
+  KVC_CUDA(cudaMemcpyBatchAsync(seg.dsts.data(), const_cast<void**>(seg.srcs.data()),
+                                seg.sizes.data(), seg.sizes.size(), &attr, &attr_idx, 1,
+                                &fail_idx, stream),
            "cudaMemcpyBatchAsync");
 #endif
   return KVC_OK;
@@ -588,7 +650,28 @@ int kvc_copy_direct(const kvc_task_t* task, int32_t use_batch, void* stream, voi
     return rc == KVC_OK ? ok() : rc;
   }
 #endif
-  rc = direct_runs(*task, s);
+  CudaCopier copier{s, kind_of(task->direction)};
+  rc = direct_runs(*task, copier);
+  return rc == KVC_OK ? ok() : rc;
+}
+
+int kvc_emulate_direct(const kvc_task_t* task, int32_t use_batch) {
+  int rc = validate(task);
+  if (rc != KVC_OK) return rc;
+  if (use_batch != 0 && use_batch != 1) {
+    return fail(KVC_ERR_BAD_ARGUMENT, "use_batch must be 0 or 1, got %d", use_batch);
+  }
+  if (use_batch) {
+    Segments seg;
+    rc = batch_segments(*task, &seg);
+    if (rc != KVC_OK) return rc;
+    for (size_t i = 0; i < seg.sizes.size(); ++i) {
+      std::memcpy(seg.dsts[i], seg.srcs[i], seg.sizes[i]);
+    }
+    return ok();
+  }
+  HostCopier copier;
+  rc = direct_runs(*task, copier);
   return rc == KVC_OK ? ok() : rc;
 }
 

@@ -114,6 +114,9 @@ int kvc_copy_direct(const kvc_task_t* task, int32_t use_batch, void* stream, voi
  * (dev_base and host_base are plain host pointers). For tests without a GPU. */
 int kvc_emulate_kernel(const kvc_task_t* task, int32_t grid_blocks, int32_t block_threads);
 
+/* Runs the direct path's copy plan (runs / batch segments) with memcpy on the CPU. */
+int kvc_emulate_direct(const kvc_task_t* task, int32_t use_batch);
+
 /* ---- thin CUDA runtime helpers (each returns a kvc_status) -------------- */
 int kvc_device_count(int32_t* count);
 int kvc_set_device(int32_t device);

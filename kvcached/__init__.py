@@ -1,7 +1,19 @@
-"""kvcached: a hierarchical KV cache (GPU, host memory, storage) for LLM engines."""
+"""kvcached: a hierarchical KV cache (GPU, host memory, storage) for LLM engines.
+
+The engine's scheduler talks to ``CacheManager``; model runners share their
+KV planes with ``export_kv_cache`` (or attach to planes kvcached created with
+``attach_kv_cache``). See docs/architecture.md.
+"""
 
 from kvcached.config import CacheConfig
 from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed, WorkerLost
+from kvcached.kvshare import allocate_kv_cache, attach_kv_cache, export_kv_cache
+from kvcached.manager import CacheManager
+from kvcached.types import Allocation, CacheStats, HitInfo
 
-__all__ = ["CacheConfig", "NoFreeBlocks", "WorkerLost", "CacheAsleep", "TransferFailed"]
+__all__ = [
+    "CacheConfig", "CacheManager", "Allocation", "HitInfo", "CacheStats",
+    "NoFreeBlocks", "WorkerLost", "CacheAsleep", "TransferFailed",
+    "export_kv_cache", "attach_kv_cache", "allocate_kv_cache",
+]
 __version__ = "0.1.0"

@@ -329,10 +329,18 @@ class CacheManager:
     # ------------------------------------------------------------- eviction
     def _make_room(self, need: int) -> None:
         deficit = need - self.gpu_pool.num_free
-        if deficit > 0:
-            self._evict_gpu(deficit)
+        if deficit <= 0:
+            return
+        swap = self.cpu_enabled and self._transfer.healthy
+        try:
+            self._evict_gpu(deficit, swap)
+        except TransferFailed as e:
+            # The victims were rolled back onto the GPU: drop them instead, so
+            # a broken CPU tier costs hits, never the ability to serve.
+            logger.warning("swap_out failed (%s); evicting by dropping instead", e)
+            self._evict_gpu(need - self.gpu_pool.num_free, swap=False)
 
-    def _evict_gpu(self, count: int) -> None:
+    def _evict_gpu(self, count: int, swap: bool) -> None:
         """Free ``count`` GPU blocks from LRU leaves (the caller checked they exist).
 
         Victims leave in one swap_out batch; a victim that already has a CPU
@@ -348,7 +356,7 @@ class CacheManager:
             if node is None:
                 raise AssertionError("GPU eviction found no leaf although blocks were idle")
             if node.cpu < 0:
-                cpu = self._take_cpu_block() if self.cpu_enabled else None
+                cpu = self._take_cpu_block() if swap else None
                 if cpu is None and batch:
                     # The CPU leaves may be this batch's own victims: land them
                     # first so they become evictable, then retry this node.
@@ -409,7 +417,20 @@ class CacheManager:
         self._release_gpu(node, Tier.STORAGE)
         self._counters.evictions["gpu_dropped"] += 1
         if not node.in_storage:
-            self.tree.remove(node)
+            self._remove(node)
+
+    def _remove(self, node: Node) -> None:
+        """Unlink a node that holds no copy; CPU copies below it (unreachable
+        without it) are dropped with it."""
+        cpus = []
+        for n in _subtree(node):
+            if n.cpu >= 0:
+                cpus.append(n.cpu)
+                n.cpu = -1
+                self._counters.evictions["cpu_dropped"] += 1
+        self.tree.remove(node)
+        if cpus:
+            self.cpu_pool.free(cpus)
 
     def _drop_cpu(self, node: Node) -> None:
         cpu = node.cpu
@@ -418,7 +439,7 @@ class CacheManager:
         else:
             self._set(node, Tier.STORAGE, cpu=-1)
             if not node.in_storage:
-                self.tree.remove(node)
+                self._remove(node)
         self.cpu_pool.free([cpu])
         self._counters.evictions["cpu_dropped"] += 1
 
@@ -494,6 +515,18 @@ class CacheManager:
             ctx = self._pending.pop(h.task.task_id, None)
             if ctx is not None:
                 self._finish_swap_in(ctx[0], ctx[1], h.result)
+        if self.cpu_enabled and not self._pending and not self._transfer.healthy:
+            self._disable_cpu_tier()
+
+    def _disable_cpu_tier(self) -> None:
+        """The workers are gone for good: forget every CPU copy, serve GPU-only."""
+        holders = sorted((n for n in self.tree.walk() if n.cpu >= 0), key=lambda n: -n.depth)
+        for n in holders:  # deepest first: a parent goes after its children
+            if n.cpu >= 0:
+                self._drop_cpu(n)
+        self.cpu_enabled = False
+        logger.error("transfer workers cannot be restarted: CPU tier switched off "
+                     "(%d blocks dropped); serving GPU-only", len(holders))
 
     def _finish_swap_in(self, req: _Request, nodes: list[Node], res: TaskResult) -> None:
         if res.ok:
@@ -554,6 +587,14 @@ class CacheManager:
         with self._lock:
             self._reap()
             check(self)
+
+
+def _subtree(node: Node):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children.values())
 
 
 def gpu_evictable(n: Node) -> bool:

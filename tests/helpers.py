@@ -14,7 +14,12 @@ class FlakyTransfer(InProcessTransfer):
         super().__init__(cfg, run_dir)
         self.fail_kinds: set[str] = set()
         self.lost = False
+        self.is_healthy = True
         self.submitted: list[Task] = []
+
+    @property
+    def healthy(self) -> bool:
+        return self.is_healthy
 
     def submit(self, task: Task) -> TaskHandle:
         self.submitted.append(task)

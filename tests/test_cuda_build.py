@@ -81,7 +81,7 @@ def all_rcs(lib, task) -> set[int]:
     ref = ctypes.byref(task) if task is not None else None
     return {lib.raw.kvc_validate_task(ref), kernel_rc(lib, task),
             lib.raw.kvc_copy_direct(ref, 0, None, None),
-            lib.raw.kvc_emulate_kernel(ref, 4, 256)}
+            lib.raw.kvc_emulate_kernel(ref, 4, 256), lib.raw.kvc_emulate_direct(ref, 1)}
 
 
 # --------------------------------------------------------------- build / load
@@ -217,6 +217,7 @@ def test_bad_workspace(lib):
 def test_bad_batch_flag(lib):
     assert lib.raw.kvc_copy_direct(ctypes.byref(fake_task()), 2, None, None) == \
         Status.BAD_ARGUMENT
+    assert lib.raw.kvc_emulate_direct(ctypes.byref(fake_task()), -1) == Status.BAD_ARGUMENT
 
 
 def test_error_text_names_the_id(lib):
@@ -296,11 +297,28 @@ def make_planes(layout: KVLayout, num_blocks: int, rng, misalign: int = 0, pad: 
     return out
 
 
-def emulate(lib, layout, planes, host, src, dst, direction, grid=4, threads=256):
+def emulate(lib, layout, planes, host, src, dst, direction, path="kernel", grid=4,
+            threads=256):
+    """Copy on the CPU with the kernel's code, or the direct path's plan (runs / batch)."""
     cps = [CudaPlane(p.ctypes.data, p.strides[0], p.shape[1]) for p in planes]
     task = kvc.make_task(cps, layout.host_offsets, src, dst, direction, planes[0].shape[0],
                          host.shape[0], host.ctypes.data, host.shape[1])
-    lib.emulate(task, grid, threads)
+    if path == "kernel":
+        lib.emulate(task, grid, threads)
+    else:
+        lib.emulate_direct(task, use_batch=path == "batch")
+
+
+def run_ids(rng, n_src: int, n_dst: int, lengths=(3, 1, 2)) -> tuple[list, list]:
+    """Pairs made of runs consecutive on both sides (what the direct path merges),
+    in random, non-adjacent windows of 4 blocks."""
+    src_w = rng.permutation(n_src // 4)[:len(lengths)]
+    dst_w = rng.permutation(n_dst // 4)[:len(lengths)]
+    src, dst = [], []
+    for n, a, b in zip(lengths, src_w, dst_w, strict=True):
+        src += [4 * int(a) + k for k in range(n)]
+        dst += [4 * int(b) + k for k in range(n)]
+    return src, dst
 
 
 def host_pool(layout: KVLayout, n: int, rng) -> np.ndarray:
@@ -310,30 +328,41 @@ def host_pool(layout: KVLayout, n: int, rng) -> np.ndarray:
     return raw[start:start + n * layout.block_bytes].reshape(n, layout.block_bytes)
 
 
+@pytest.mark.parametrize("path", ["kernel", "direct", "batch"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("misalign", [0, 1, 2, 4, 8])
-def test_emulated_kernel_matches_indexed_copy(lib, name, misalign):
+def test_emulated_copy_matches_indexed_copy(lib, name, misalign, path):
     layout, rng = LAYOUTS[name], np.random.default_rng(misalign)
     planes = make_planes(layout, NUM_DEV, rng, misalign)
     host = host_pool(layout, NUM_HOST, rng)
     offs, nbs = layout.host_offsets, layout.plane_bytes
-    src = rng.choice(NUM_DEV, 7, replace=False)
-    dst = rng.choice(NUM_HOST, 7, replace=False)
+    src, dst = run_ids(rng, NUM_DEV, NUM_HOST)
 
     expect = host.copy()  # swap_out reference: plain indexed copy of the same bytes
     for s, d in zip(src, dst, strict=True):
         for p, o, n in zip(planes, offs, nbs, strict=True):
             expect[d, o:o + n] = p[s]
-    emulate(lib, layout, planes, host, src, dst, D2H)
+    emulate(lib, layout, planes, host, src, dst, D2H, path)
     np.testing.assert_array_equal(host, expect)  # padding and other blocks untouched
 
     before = [p.copy() for p in planes]  # swap_in into other device blocks
-    back = rng.choice(NUM_DEV, 7, replace=False)
-    emulate(lib, layout, planes, host, dst, back, H2D, grid=3, threads=96)
+    back, _ = run_ids(rng, NUM_DEV, NUM_HOST)
+    emulate(lib, layout, planes, host, dst, back, H2D, path, grid=3, threads=96)
     for i, (p, b) in enumerate(zip(planes, before, strict=True)):
         exp = b.copy()
         exp[back] = b[src]
         np.testing.assert_array_equal(p, exp, err_msg=f"plane {i}")
+
+
+@pytest.mark.parametrize("path", ["direct", "batch"])
+def test_emulated_direct_merges_contiguous_runs(lib, path):
+    # One plane, no padding anywhere: a run is one contiguous span on both sides.
+    layout, rng = KVLayout(1, 1, 8, 4, "bfloat16", mla=True), np.random.default_rng(5)
+    planes = make_planes(layout, NUM_DEV, rng, pad=0)
+    host = host_pool(layout, NUM_HOST, rng)
+    src, dst = [5, 6, 7, 8, 0, 2], [1, 2, 3, 4, 9, 11]
+    emulate(lib, layout, planes, host, src, dst, D2H, path)
+    np.testing.assert_array_equal(host[dst], planes[0][src])
 
 
 def test_emulated_kernel_one_big_block_tiny_grid(lib):
@@ -342,3 +371,90 @@ def test_emulated_kernel_one_big_block_tiny_grid(lib):
     host = host_pool(layout, 2, rng)
     emulate(lib, layout, planes, host, [1], [0], D2H, grid=1, threads=32)
     np.testing.assert_array_equal(host[0, :layout.plane_bytes[0]], planes[0][1])
+
+
+# ------------------------------------------------ the engine's Python glue
+class EmulatedLib(kvc.KvcLib):
+    """The real library, with CUDA runtime calls stubbed and copies run on the CPU:
+    CudaCopyEngine's own logic (ids, workspace, modes, errors) end to end, no GPU."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.mallocs: list[int] = []
+
+    def set_device(self, device):
+        pass
+
+    def host_device_pointer(self, host_ptr):
+        return host_ptr  # UVA: the device address of pinned memory is its host address
+
+    def stream_create(self):
+        return 0x5000
+
+    def stream_destroy(self, stream):
+        pass
+
+    def stream_synchronize(self, stream=0):
+        pass
+
+    def malloc(self, nbytes):
+        self.mallocs.append(nbytes)
+        return FAKE_WS  # never dereferenced: emulate() reads the host tables
+
+    def free(self, ptr):
+        pass
+
+    def copy_kernel(self, task, workspace, workspace_bytes, grid_blocks, block_threads,
+                    stream=0, wait_event=0):
+        assert workspace and workspace_bytes >= self.workspace_bytes(task.num_planes, task.count)
+        self.emulate(task, grid_blocks, block_threads)
+
+    def copy_direct(self, task, use_batch=False, stream=0, wait_event=0):
+        self.emulate_direct(task, use_batch)
+
+
+@pytest.mark.parametrize("mode,batch", [("kernel", False), ("direct", False), ("direct", True)])
+def test_engine_round_trip_emulated(build_info, mode, batch):
+    layout, rng = LAYOUTS["fp8+scales"], np.random.default_rng(11)
+    planes = make_planes(layout, NUM_DEV, rng)
+    host = host_pool(layout, NUM_HOST, rng)
+    emu = EmulatedLib(build_info.path)
+    engine = kvc.CudaCopyEngine(
+        [CudaPlane(p.ctypes.data, p.strides[0], p.shape[1]) for p in planes], host.ctypes.data,
+        layout.host_offsets, host_block_bytes=host.shape[1], num_host_blocks=NUM_HOST,
+        num_device_blocks=NUM_DEV, mode=mode, use_batch=batch, lib=emu)
+    with engine:
+        assert engine.swap_out([], []) == 0
+        src, dst = [4, 9, 0], [11, 2, 5]
+        assert engine.swap_out(src, dst) == 3 * sum(layout.plane_bytes)
+        for p, o, n in zip(planes, layout.host_offsets, layout.plane_bytes, strict=True):
+            np.testing.assert_array_equal(host[dst, o:o + n], p[src])
+        assert engine.swap_in(dst, [1, 2, 3]) == 3 * sum(layout.plane_bytes)
+        for p in planes:
+            np.testing.assert_array_equal(p[[1, 2, 3]], p[src])
+        with pytest.raises(kvc.CudaTaskInvalid, match="destination id 12"):
+            engine.swap_out([0], [12])
+        with pytest.raises(ValueError, match="lengths must match"):
+            engine.swap_in([0, 1], [2])
+        with pytest.raises(ValueError, match="int32"):
+            engine.swap_out([1 << 40], [0])
+        if mode == "kernel":  # workspace grows by doubling, not once per call
+            engine.swap_out(list(range(NUM_HOST)), list(range(NUM_HOST)))
+            assert len(emu.mallocs) == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.swap_out([0], [0])
+
+
+def test_engine_rejects_bad_arguments(build_info):
+    emu = EmulatedLib(build_info.path)
+    plane = [CudaPlane(FAKE_DEV, 4096, 4096)]
+    kw = dict(host_block_bytes=4096, num_host_blocks=4, num_device_blocks=4, lib=emu)
+    with pytest.raises(ValueError, match="mode"):
+        kvc.CudaCopyEngine(plane, 0x5500_0000_0000, [0], mode="magic", **kw)
+    with pytest.raises(ValueError, match="grid"):
+        kvc.CudaCopyEngine(plane, 0x5500_0000_0000, [0], grid_blocks=0, **kw)
+    with pytest.raises(ValueError, match="host offsets"):
+        kvc.CudaCopyEngine(plane, 0x5500_0000_0000, [0, 16], **kw)
+    with pytest.raises(ValueError, match="num_device_blocks"):
+        kvc.CudaCopyEngine(plane, 0x5500_0000_0000, [0], lib=emu, host_block_bytes=4096,
+                           num_host_blocks=4)

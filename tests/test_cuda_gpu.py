@@ -16,6 +16,7 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,11 +251,17 @@ def _ask(proc: subprocess.Popen, line: str, timeout: float = 60.0) -> str:
     proc.stdin.flush()
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     if not ready:
-        raise TimeoutError(f"child did not answer {line!r} within {timeout}s")
+        raise TimeoutError(f"child did not answer {line!r} within {timeout}s: {_err(proc)}")
     out = proc.stdout.readline().strip()
     if not out:
-        raise RuntimeError(f"child exited: {proc.stderr.read()}")
+        raise RuntimeError(f"child exited without answering {line!r}: {_err(proc)}")
     return out
+
+
+def _err(proc: subprocess.Popen) -> str:
+    """The tail of the child's stderr (a file: a full pipe would block the child)."""
+    proc.stderr_file.flush()
+    return Path(proc.stderr_file.name).read_text()[-4000:]
 
 
 def test_second_process_sees_engine_writes_and_vice_versa(lib, tmp_path):
@@ -266,8 +273,10 @@ def test_second_process_sees_engine_writes_and_vice_versa(lib, tmp_path):
     export_kv_cache(planes, rank=0, run_dir=tmp_path)
     pool = HostPool(layout, 8)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    err = open(tmp_path / "child.err", "w")  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    proc.stderr_file = err
     try:
         with kvc.CudaCopyEngine(planes, pool.tensor, layout.host_offsets) as engine:
             engine.swap_in([2], [5])  # the engine writes block 5 ...
@@ -285,6 +294,8 @@ def test_second_process_sees_engine_writes_and_vice_versa(lib, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=30)
+        err.close()
         pool.close()
 
 
@@ -294,7 +305,7 @@ def _ask_quit(proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 30
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert proc.returncode == 0, proc.stderr.read()
+    assert proc.returncode == 0, _err(proc)
 
 
 def test_open_in_exporting_process_returns_same_memory(lib):

@@ -213,18 +213,32 @@ def test_namespaces_and_extra_keys_never_share_blocks(make_manager, tmp_path):
     assert other._ns != mgr._ns
 
 
-def test_failed_swap_out_rolls_back_and_raises(make_manager):
+def test_failed_swap_out_falls_back_to_dropping(make_manager):
+    """A broken CPU tier costs hits, never the ability to serve."""
     mgr = make_manager(transfer=FlakyTransfer, num_gpu_blocks=4, num_cpu_blocks=4)
     serve(mgr, "r1", toks(1, 2, 3))
     mgr._transfer.fail_kinds = {"swap_out"}
     mgr._transfer.lost = True
-    before = snapshot(mgr)
-    with pytest.raises(WorkerLost):
-        mgr.allocate("r2", toks(5, 6, tail=1))
-    assert snapshot(mgr) == before  # the victims stayed on GPU, CPU blocks returned
+    a = mgr.allocate("r2", toks(5, 6, tail=1))
+    assert a.block_ids == [3, 2, 1]  # "3" and "2" were dropped after the failed copy
+    assert tier_of(mgr, toks(1, 2, 3)) == [("GPU", 0, -1)]
+    assert mgr.cpu_pool.num_free == 4  # the rolled-back CPU blocks came back
+    st = mgr.stats()
+    assert st.transfers["swap_out"]["failed"] == 1 and st.evictions == {"gpu_dropped": 2}
     mgr.check_invariants()
-    mgr._transfer.fail_kinds = set()
-    assert mgr.allocate("r2", toks(5, 6, tail=1)).block_ids == [3, 2, 1]
+
+
+def test_unhealthy_transfer_switches_cpu_tier_off(make_manager):
+    mgr = make_manager(transfer=FlakyTransfer, num_gpu_blocks=4, num_cpu_blocks=4)
+    serve(mgr, "r1", toks(1, 2, 3))
+    serve(mgr, "r2", toks(5, 6, tail=1))  # "2", "3" to CPU
+    assert mgr.cpu_pool.num_used == 2
+    mgr._transfer.is_healthy = False
+    mgr.check_invariants()  # reaps: the CPU tier goes
+    assert not mgr.cpu_enabled and mgr.cpu_pool.num_used == 0
+    assert tier_of(mgr, toks(1, 2, 3)) == [("GPU", 0, -1)]
+    serve(mgr, "r3", toks(8, 9, tail=1))  # evicts by dropping, no transfer
+    mgr.check_invariants()
 
 
 def test_failed_swap_in_keeps_blocks_on_cpu_and_shrinks_the_hit(make_manager):

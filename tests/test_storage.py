@@ -104,8 +104,9 @@ def _file(tmp_path, **kw) -> FileBackend:
     return open_backend("file", str(tmp_path / "store"), **kw)
 
 
-def test_file_restart_finds_every_object(tmp_path):
-    check_restart(lambda: _file(tmp_path))
+@pytest.mark.parametrize("io_threads", [1, 3])
+def test_file_restart_finds_every_object(tmp_path, io_threads):
+    check_restart(lambda: _file(tmp_path, io_threads=io_threads))
 
 
 def test_file_backend_raw_api(tmp_path):

@@ -135,6 +135,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kvc_copy_kernel": ([_TASK, _P, _U64, _I32, _I32, _P, _P], ctypes.c_int),
     "kvc_copy_direct": ([_TASK, _I32, _P, _P], ctypes.c_int),
     "kvc_emulate_kernel": ([_TASK, _I32, _I32], ctypes.c_int),
+    "kvc_emulate_direct": ([_TASK, _I32], ctypes.c_int),
     "kvc_device_count": ([ctypes.POINTER(_I32)], ctypes.c_int),
     "kvc_set_device": ([_I32], ctypes.c_int),
     "kvc_malloc": ([_U64, ctypes.POINTER(_P)], ctypes.c_int),
@@ -303,6 +304,10 @@ class KvcLib:
     def emulate(self, task: KvcTask, grid_blocks: int = 4, block_threads: int = 256) -> None:
         """Run the kernel's code on the CPU (host addresses only): tests without a GPU."""
         self._call("kvc_emulate_kernel", ctypes.byref(task), grid_blocks, block_threads)
+
+    def emulate_direct(self, task: KvcTask, use_batch: bool = False) -> None:
+        """Run the direct path's copy plan with memcpy on the CPU (host addresses only)."""
+        self._call("kvc_emulate_direct", ctypes.byref(task), int(use_batch))
 
     # --------------------------------------------------------------- runtime
     def device_count(self) -> int:

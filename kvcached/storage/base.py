@@ -186,6 +186,7 @@ class StorageBackend:
         self._last_error = ""
         self._log_lock = threading.Lock()
         self._logged_down = False
+        self._logged_open = False
 
     # ------------------------------------------------------------ public
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -287,16 +288,19 @@ class StorageBackend:
             return fallback
         if self.breaker is not None:
             self.breaker.record_success()
-        with self._log_lock:
-            self._logged_down = False
+        if self._logged_down:
+            with self._log_lock:
+                self._logged_down = self._logged_open = False
         return result
 
     def _failed(self, fn: Callable, e: Exception) -> None:
         self._last_error = f"{fn.__name__.lstrip('_')}: {type(e).__name__}: {e}"
         opened = self.breaker.record_failure() if self.breaker is not None else False
-        with self._log_lock:  # log once per outage, not once per call
+        with self._log_lock:  # warn on the first failure and first open of an outage only
             first, self._logged_down = not self._logged_down, True
-        if first or opened:
+            first_open = opened and not self._logged_open
+            self._logged_open = self._logged_open or opened
+        if first or first_open:
             logger.warning("%s storage %s%s", self.kind, self._last_error,
                            "; breaker open, failing fast" if opened else "")
         else:

@@ -84,7 +84,13 @@ class RedisBackend(StorageBackend):
         plain = self._redis.Redis.from_url(self.url, health_check_interval=0, **common)
         cluster = self.want_cluster
         if cluster is None:
-            info = self._call(plain.info, "cluster")
+            try:
+                info = self._call(plain.info, "cluster")
+            except BackendError as e:
+                if isinstance(e.__cause__, self._redis.exceptions.ResponseError):
+                    info = {}  # INFO disabled / renamed: assume a standalone server
+                else:
+                    raise
             cluster = bool(info.get("cluster_enabled"))
         if not cluster:
             return plain, False

@@ -1,0 +1,73 @@
+"""Control operations as a worker applies them (the coordinator fans them out).
+
+pause: finish the copy in flight, hold queued tasks (nothing is dropped).
+resume: run held tasks in order. sleep: pause and detach from the KV planes
+and host pool. wakeup: re-attach and resume. Every op is idempotent and says
+whether it changed anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcached.transfer.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+def apply_worker_control(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    op = args.get("op")
+    handler = _OPS.get(op)
+    if handler is None:
+        raise ValueError(f"unknown control op {op!r}; allowed: {sorted(_OPS)}")
+    result = handler(w, args)
+    logger.info("worker rank %d: %s -> %s", w.rank, op, result)
+    return result
+
+
+def _pause(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    changed = w.gate.is_set()
+    w.gate.clear()
+    if not w.wait_idle(float(args.get("timeout_s", 30.0))):
+        raise TimeoutError(f"rank {w.rank}: the task in flight did not finish")
+    return {"changed": changed, "paused": True, "queued": w.queue_depths()}
+
+
+def _resume(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    changed = not w.gate.is_set()
+    w.gate.set()
+    return {"changed": changed, "paused": False}
+
+
+def _sleep(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    res = _pause(w, args)
+    changed = w.executor.planes is not None
+    if changed:
+        w.executor.close()
+    return {"changed": changed or res["changed"], "asleep": True}
+
+
+def _wakeup(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    changed = w.executor.planes is None
+    if changed:
+        w.executor.open(timeout_s=float(args.get("timeout_s", 30.0)))
+    _resume(w, args)
+    return {"changed": changed, "asleep": False}
+
+
+def _status(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    return {"paused": not w.gate.is_set(), "asleep": w.executor.planes is None,
+            "queues": w.queue_depths(), "done": w.tasks_done, "failed": w.tasks_failed}
+
+
+def _update_weights(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    version = str(args.get("version", ""))
+    if not version:
+        raise ValueError("update_weights needs a non-empty 'version'")
+    return {"changed": True, "version": version}
+
+
+_OPS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wakeup": _wakeup,
+        "status": _status, "update_weights": _update_weights}

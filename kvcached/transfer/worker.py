@@ -1,0 +1,273 @@
+"""The transfer worker: one process per TP rank, run as ``kvcached worker``.
+
+Threads and sockets (each socket has exactly one owning thread):
+
+    main thread   DEALER to the coordinator (identity ``rank-<r>``) + PULL of
+                  finished-task reports; decodes, validates, routes tasks to
+                  lanes, sends Done/Heartbeat, watches for the engine's death
+    lane "out"    swap_out / store, in arrival order   (own PUSH socket)
+    lane "in"     swap_in / load / lookup, in order     (own PUSH socket)
+    lane "ctl"    control operations and noop           (own PUSH socket)
+
+A bad frame gets an error reply and the worker keeps running; a failed copy
+is a failed Done (copy engines check ids before touching memory). The worker
+exits when its engine is gone: the engine pid disappears, or, once
+connected, nothing arrived from the coordinator for ``engine_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvcached.config import CacheConfig
+from kvcached.transfer import protocol as P
+from kvcached.transfer.base import Task
+from kvcached.transfer.endpoints import coordinator_endpoint
+from kvcached.transfer.executor import RankExecutor
+
+logger = logging.getLogger(__name__)
+
+LANE_OF = {"swap_out": "out", "store": "out", "swap_in": "in", "load": "in",
+           "lookup": "in", "control": "ctl", "noop": "ctl"}
+HELLO_RETRY_S = 1.0
+
+
+class Lane(threading.Thread):
+    """Runs one kind of task strictly in order; holds queued tasks while paused."""
+
+    def __init__(self, name: str, worker: Worker):
+        super().__init__(name=f"lane-{name}", daemon=True)
+        self.lane = name
+        self.worker = worker
+        self.tasks: queue.Queue[P.Task | None] = queue.Queue()
+        self.busy = False
+
+    def run(self) -> None:
+        push = self.worker.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(self.worker.done_endpoint)
+        try:
+            while True:
+                msg = self.tasks.get()
+                if msg is None:
+                    return
+                # Control runs even while paused (it is what resumes us).
+                if self.lane != "ctl":
+                    self.worker.gate.wait()
+                self.busy = True
+                try:
+                    push.send(self.worker.execute(msg).encode())
+                finally:
+                    self.busy = False
+                    self.worker.idle_changed()
+        finally:
+            push.close()
+
+
+class Worker:
+    """One rank's transfer worker."""
+
+    def __init__(self, cfg: CacheConfig, run_dir, rank: int, engine_pid: int | None,
+                 restarts: int = 0):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.engine_pid = engine_pid
+        self.restarts = restarts
+        self.executor = RankExecutor(cfg, run_dir, rank, owner_pid=engine_pid)
+        self.limits = P.Limits(num_device_blocks=cfg.num_gpu_blocks,
+                               num_host_blocks=max(cfg.num_cpu_blocks, 1))
+        self.ctx = zmq.Context.instance()
+        self.done_endpoint = f"inproc://done-{rank}-{id(self)}"
+        self.gate = threading.Event()
+        self.gate.set()
+        self._idle = threading.Condition()
+        self.lanes = {name: Lane(name, self) for name in ("out", "in", "ctl")}
+        self.stop_reason = ""
+        self._hb_seq = 0
+        self.tasks_done = 0
+        self.tasks_failed = 0
+
+    # --------------------------------------------------------------- running
+    def run(self) -> int:
+        """Serve until told to stop or the engine is gone; returns an exit code."""
+        self.executor.open(timeout_s=self.cfg.worker_start_timeout_s)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"rank-{self.rank}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coordinator_endpoint(self.cfg, self.run_dir))
+        pull = self.ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(self.done_endpoint)
+        for lane in self.lanes.values():
+            lane.start()
+        try:
+            return self._loop(sock, pull)
+        finally:
+            for lane in self.lanes.values():
+                lane.tasks.put(None)
+            for lane in self.lanes.values():
+                lane.join(timeout=5.0)
+            sock.close()
+            pull.close()
+            self.executor.close()
+            logger.info("worker rank %d stopped: %s", self.rank, self.stop_reason)
+
+    def _loop(self, sock: zmq.Socket, pull: zmq.Socket) -> int:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        ready = False
+        last_rx = last_hello = last_hb = 0.0
+        errors = 0
+        interval = self.cfg.heartbeat_interval_s
+        while True:
+            now = time.monotonic()
+            if not self._engine_alive():
+                self.stop_reason = f"engine pid {self.engine_pid} is gone"
+                return 0
+            if ready and now - last_rx > self.cfg.engine_timeout_s:
+                self.stop_reason = f"no word from the engine for {self.cfg.engine_timeout_s}s"
+                return 0
+            if not ready and now - last_hello > HELLO_RETRY_S:
+                sock.send(self._hello().encode())
+                last_hello = now
+            if ready and now - last_hb > interval:
+                sock.send(self._heartbeat().encode())
+                last_hb = now
+            try:
+                events = dict(poller.poll(timeout=interval * 1000 / 2))
+                if pull in events:
+                    while pull.poll(0):
+                        sock.send(pull.recv())
+                if sock in events:
+                    while sock.poll(0):
+                        last_rx = time.monotonic()
+                        verdict = self._on_frame(sock, sock.recv())
+                        if verdict == "ready":
+                            ready = True
+                        elif verdict == "stop":
+                            return 0
+                        elif verdict == "refused":
+                            return 3
+                errors = 0
+            except zmq.ZMQError as e:  # back off: never spin on a broken socket
+                errors += 1
+                logger.error("worker rank %d socket error %s (retry %d)", self.rank, e, errors)
+                time.sleep(min(0.01 * 2 ** errors, 2.0))
+
+    def _on_frame(self, sock: zmq.Socket, raw: bytes) -> str:
+        try:
+            msg = P.decode(raw, self.limits)
+        except P.ProtocolError as e:
+            logger.warning("worker rank %d: bad frame: %s", self.rank, e)
+            if e.task_id is not None:  # answer the task so nobody waits for it
+                sock.send(P.Done(e.task_id, self.rank, ok=False, error=P.clip(str(e))).encode())
+            else:
+                sock.send(P.ErrorReply.from_exception(e).encode())
+            return ""
+        if isinstance(msg, P.Task):
+            self.lanes[LANE_OF[msg.kind]].tasks.put(msg)
+        elif isinstance(msg, P.Ready):
+            if not msg.ok:
+                self.stop_reason = f"refused by the coordinator: {msg.error}"
+                logger.error("worker rank %d %s", self.rank, self.stop_reason)
+                return "refused"
+            logger.info("worker rank %d ready", self.rank)
+            return "ready"
+        elif isinstance(msg, P.Shutdown):
+            self.stop_reason = f"shutdown: {msg.reason}"
+            return "stop"
+        elif isinstance(msg, P.ErrorReply):
+            logger.warning("worker rank %d: coordinator says %s", self.rank, msg.error)
+        return ""
+
+    # ------------------------------------------------------------- executing
+    def execute(self, msg: P.Task) -> P.Done:
+        """Run one task on a lane thread; never raises."""
+        t0 = time.perf_counter()
+        try:
+            if msg.kind == "control":
+                result = self.control(msg.args)
+            else:
+                result = self.executor.run(Task(msg.kind, msg.src, msg.dst, msg.args))
+            self.tasks_done += 1
+            return P.Done(msg.task_id, self.rank, ok=True, blocks_done=len(msg.src or msg.dst),
+                          elapsed_s=time.perf_counter() - t0, result=result)
+        except Exception as e:
+            self.tasks_failed += 1
+            logger.error("worker rank %d: %s task %d failed: %s", self.rank, msg.kind,
+                         msg.task_id, e)
+            return P.Done(msg.task_id, self.rank, ok=False, error=P.clip(f"{e}"),
+                          elapsed_s=time.perf_counter() - t0)
+
+    def control(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Apply a control operation; see kvcached.transfer.control."""
+        from kvcached.transfer.control import apply_worker_control
+        return apply_worker_control(self, args)
+
+    def idle_changed(self) -> None:
+        with self._idle:
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no copy lane is executing a task (queued ones stay queued)."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while any(self.lanes[n].busy for n in ("out", "in")):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def queue_depths(self) -> dict[str, int]:
+        return {n: lane.tasks.qsize() + lane.busy for n, lane in self.lanes.items()}
+
+    # --------------------------------------------------------------- helpers
+    def _engine_alive(self) -> bool:
+        if self.engine_pid is None:
+            return True
+        try:
+            os.kill(self.engine_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def _hello(self) -> P.Hello:
+        return P.Hello(rank=self.rank, pid=os.getpid(), protocol=P.PROTOCOL_VERSION,
+                       layout_digest=self.cfg.layout.digest,
+                       num_device_blocks=self.cfg.num_gpu_blocks,
+                       num_host_blocks=self.cfg.num_cpu_blocks, restarts=self.restarts)
+
+    def _heartbeat(self) -> P.Heartbeat:
+        self._hb_seq += 1
+        info = {"queues": self.queue_depths(), "paused": not self.gate.is_set(),
+                "done": self.tasks_done, "failed": self.tasks_failed}
+        return P.Heartbeat(sender=f"rank-{self.rank}", seq=self._hb_seq, time=time.time(),
+                           info=info)
+
+
+def run_worker(cfg: CacheConfig, run_dir, rank: int, engine_pid: int | None,
+               restarts: int = 0) -> int:
+    """Entry point of ``kvcached worker``: log to a file, serve, exit."""
+    from kvcached.logs import setup_process_logging
+    log_dir = cfg.log_dir or os.path.join(run_dir, "logs")
+    setup_process_logging(log_dir, f"worker-rank{rank}")
+    logger.info("worker rank %d starting (pid %d, engine pid %s, restart %d)", rank,
+                os.getpid(), engine_pid, restarts)
+    try:
+        return Worker(cfg, run_dir, rank, engine_pid, restarts).run()
+    except Exception:
+        logger.exception("worker rank %d crashed", rank)
+        return 1

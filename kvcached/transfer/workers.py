@@ -1,0 +1,441 @@
+"""WorkerTransfer: the engine-side coordinator of one worker process per TP rank.
+
+One IO thread owns the ROUTER socket (and the control socket). The manager's
+thread hands it tasks through a queue and a wake-up pipe, so a task leaves
+immediately without polling delays. A task goes to every rank; it completes
+only when every rank has answered or been declared lost (the barrier), and
+it is ok only if every rank is ok.
+
+A worker is lost when its process exits (seen through ``Popen.poll``), when
+it is silent for ``worker_timeout_s``, or when it leaves a task unanswered
+past ``task_timeout_s``. Every task in flight on it then fails with
+``lost=True`` (WorkerLost), the process is killed so that no late copy can
+land in a block that was rolled back, and it is restarted with backoff
+until ``max_worker_restarts`` is used up; after that ``healthy`` turns False
+and the manager switches its CPU tier off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvcached.config import CacheConfig
+from kvcached.transfer import protocol as P
+from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _WorkerState:
+    rank: int
+    proc: subprocess.Popen | None = None
+    pid: int = 0
+    state: str = "starting"  # starting | ready | lost | failed (no more restarts)
+    lost_reason: str = ""
+    last_seen: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+@dataclass
+class _Inflight:
+    handle: TaskHandle
+    pending: set[int]
+    t0: float
+    deadline: float
+    per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    lost: bool = False
+
+
+class WorkerTransfer(Transfer):
+    """Fans tasks out to the rank workers and completes them at the barrier."""
+
+    def __init__(self, cfg: CacheConfig, run_dir):
+        super().__init__()
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.workers = [_WorkerState(r) for r in range(cfg.tp_size)]
+        self.limits = P.Limits(num_device_blocks=cfg.num_gpu_blocks,
+                               num_host_blocks=max(cfg.num_cpu_blocks, 1))
+        self._ctx = zmq.Context.instance()
+        self._outbox: queue.Queue[TaskHandle] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._inflight: dict[int, _Inflight] = {}
+        self._ready_cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._healthy = True
+        self._hb_seq = 0
+        self.control_handler = None  # set by the manager for `kvcached ctl`
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Bind, spawn the workers (unless launched separately), wait for every hello."""
+        (self.run_dir / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict()))
+        endpoint = coordinator_endpoint(self.cfg, self.run_dir)
+        if len(endpoint) > 100:
+            raise ValueError(f"run_dir {str(self.run_dir)!r} is too long for an ipc socket "
+                             "path (~100 characters); choose a shorter run_dir")
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a drop
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its name back
+        self._router.bind(endpoint)
+        self._thread = threading.Thread(target=self._io_loop, name="kvcached-coordinator",
+                                        daemon=True)
+        self._thread.start()
+        if self.cfg.spawn_workers:
+            for w in self.workers:
+                self._spawn(w)
+        self._wait_all_ready(self.cfg.worker_start_timeout_s)
+
+    def _wait_all_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._ready_cv:
+            while not all(w.ready for w in self.workers):
+                left = deadline - time.monotonic()
+                dead = [w.rank for w in self.workers if w.state == "failed"]
+                if left <= 0 or dead:
+                    missing = [w.rank for w in self.workers if not w.ready]
+                    reasons = "; ".join(f"rank {w.rank}: {w.lost_reason or 'no hello'}"
+                                        for w in self.workers if not w.ready)
+                    self.close()
+                    raise TimeoutError(
+                        f"transfer workers for ranks {missing} did not come up within "
+                        f"{timeout_s:.0f}s ({reasons}); see logs in {self.log_dir}")
+                self._ready_cv.wait(min(left, 0.1))
+
+    def close(self) -> None:
+        """Shutdown every worker (terminate, wait, kill) and fail what is in flight."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        for w in self.workers:
+            _stop_process(w.proc, grace_s=3.0)
+        for h in self._drain_outbox():
+            h.complete(TaskResult(h.task.task_id, False, "transfer closed"))
+        for inf in self._inflight.values():
+            inf.handle.complete(TaskResult(inf.handle.task.task_id, False, "transfer closed"))
+        self._inflight.clear()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        for path in socket_files(self.run_dir):
+            path.unlink(missing_ok=True)
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.cfg.log_dir or self.run_dir / "logs")
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    # ------------------------------------------------------------ submitting
+    def submit(self, task: Task) -> TaskHandle:
+        handle = self.new_handle(task)
+        if self._stop.is_set():
+            handle.complete(TaskResult(task.task_id, False, "transfer closed"))
+            return handle
+        down = [w.rank for w in self.workers if not w.ready]
+        if down:  # fail fast: the manager rolls back and serves without this move
+            handle.complete(TaskResult(task.task_id, False, f"ranks {down} are not ready",
+                                       lost=True))
+            return handle
+        self._outbox.put(handle)
+        self._wake()
+        return handle
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _drain_outbox(self) -> list[TaskHandle]:
+        out = []
+        while True:
+            try:
+                out.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    # ------------------------------------------------------------- IO thread
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        last_hb = 0.0
+        interval = self.cfg.heartbeat_interval_s
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(timeout=interval * 1000 / 2))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                    for h in self._drain_outbox():
+                        self._send_task(h)
+                if self._router in events:
+                    while self._router.poll(0):
+                        self._on_frames(self._router.recv_multipart())
+                now = time.monotonic()
+                if now - last_hb > interval:
+                    self._send_heartbeats()
+                    last_hb = now
+                self._check_liveness(now)
+        except Exception:
+            logger.exception("coordinator IO thread died; failing all tasks")
+            self._healthy = False
+        finally:
+            for w in self.workers:
+                if w.ready:
+                    self._send(w.rank, P.Shutdown("engine closing").encode())
+            self._router.close()
+
+    def _send(self, rank: int, payload: bytes) -> bool:
+        try:
+            self._router.send_multipart([f"rank-{rank}".encode(), payload])
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
+            self._lose(rank, f"send failed: {e}")
+            return False
+
+    def _send_task(self, h: TaskHandle) -> None:
+        t = h.task
+        now = time.monotonic()
+        inf = _Inflight(h, {w.rank for w in self.workers}, now, now + self.cfg.task_timeout_s)
+        self._inflight[t.task_id] = inf
+        payload = P.Task(t.task_id, t.kind, t.src, t.dst, t.args).encode(self.limits)
+        for w in self.workers:
+            if not w.ready:
+                self._rank_answered(inf, w.rank, False, f"rank {w.rank} not ready", lost=True)
+            else:
+                self._send(w.rank, payload)
+
+    def _send_heartbeats(self) -> None:
+        self._hb_seq += 1
+        hb = P.Heartbeat("coordinator", self._hb_seq, time.time(), {}).encode()
+        for w in self.workers:
+            if w.ready:
+                self._send(w.rank, hb)
+
+    # -------------------------------------------------------------- receiving
+    def _on_frames(self, frames: list[bytes]) -> None:
+        ident = frames[0] if frames else b""
+        rank = _rank_of(ident, len(self.workers))
+        if len(frames) != 2 or rank is None:
+            logger.warning("coordinator: dropping a frame from unknown peer %r", ident[:32])
+            self._reply_error(ident, "expected [identity rank-<r>, one msgpack frame]")
+            return
+        try:
+            msg = P.decode(frames[1], self.limits)
+        except P.ProtocolError as e:
+            logger.warning("coordinator: bad frame from rank %d: %s", rank, e)
+            self._reply_error(ident, str(e))
+            return
+        w = self.workers[rank]
+        w.last_seen = time.monotonic()
+        if isinstance(msg, P.Hello):
+            self._on_hello(w, msg)
+        elif isinstance(msg, P.Done):
+            inf = self._inflight.get(msg.task_id)
+            if inf is not None and msg.rank == rank:
+                self._rank_answered(inf, rank, msg.ok, msg.error, result=msg.result,
+                                    elapsed=msg.elapsed_s)
+        elif isinstance(msg, P.Heartbeat):
+            w.info = msg.info
+        elif isinstance(msg, P.ErrorReply):
+            logger.warning("coordinator: rank %d says %s", rank, msg.error)
+
+    def _reply_error(self, ident: bytes, error: str) -> None:
+        try:
+            self._router.send_multipart([ident, P.ErrorReply(P.clip(error)).encode()])
+        except zmq.ZMQError:
+            pass
+
+    def _on_hello(self, w: _WorkerState, msg: P.Hello) -> None:
+        problem = self._check_hello(msg)
+        self._send(w.rank, P.Ready(ok=not problem, error=problem).encode())
+        if problem:
+            logger.error("coordinator: refused rank %d: %s", w.rank, problem)
+            w.state, w.lost_reason, w.restart_at = "failed", problem, None
+            _stop_process(w.proc, grace_s=1.0)
+            with self._ready_cv:
+                self._ready_cv.notify_all()
+            return
+        w.pid, w.state, w.lost_reason = msg.pid, "ready", ""
+        logger.info("coordinator: rank %d ready (pid %d, restart %d)", w.rank, msg.pid,
+                    msg.restarts)
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+
+    def _check_hello(self, msg: P.Hello) -> str:
+        mine = self.cfg.layout.digest
+        if msg.protocol != P.PROTOCOL_VERSION:
+            return f"protocol {msg.protocol} != coordinator protocol {P.PROTOCOL_VERSION}"
+        if msg.layout_digest != mine:
+            return (f"layout digest mismatch: worker has {msg.layout_digest}, engine has "
+                    f"{mine}; start both from the same config")
+        if (msg.num_device_blocks, msg.num_host_blocks) != (self.cfg.num_gpu_blocks,
+                                                            self.cfg.num_cpu_blocks):
+            return (f"block counts differ: worker has {msg.num_device_blocks} GPU / "
+                    f"{msg.num_host_blocks} CPU, engine has {self.cfg.num_gpu_blocks} / "
+                    f"{self.cfg.num_cpu_blocks}")
+        return ""
+
+    def _rank_answered(self, inf: _Inflight, rank: int, ok: bool, error: str,
+                       result: dict | None = None, elapsed: float = 0.0,
+                       lost: bool = False) -> None:
+        if rank not in inf.pending:
+            return
+        inf.pending.discard(rank)
+        inf.per_rank[rank] = {"ok": ok, "error": error, "elapsed_s": elapsed,
+                              **(result or {})}
+        if not ok:
+            inf.errors.append(f"rank {rank}: {error}")
+            inf.lost |= lost
+        if not inf.pending:
+            self._complete(inf)
+
+    def _complete(self, inf: _Inflight) -> None:
+        t = inf.handle.task
+        self._inflight.pop(t.task_id, None)
+        ok = not inf.errors
+        inf.handle.complete(TaskResult(
+            t.task_id, ok, "; ".join(inf.errors), lost=inf.lost,
+            elapsed_s=time.monotonic() - inf.t0, blocks_done=len(t.src or t.dst) if ok else 0,
+            per_rank=inf.per_rank, result=_merge_results(inf.per_rank)))
+
+    # -------------------------------------------------------------- liveness
+    def _check_liveness(self, now: float) -> None:
+        for w in self.workers:
+            alive = w.proc is None or w.proc.poll() is None
+            if w.state in ("ready", "starting") and not alive:
+                self._lose(w.rank, f"process exited with code {w.proc.returncode}")
+            elif w.ready and now - w.last_seen > self.cfg.worker_timeout_s:
+                self._lose(w.rank, f"silent for {now - w.last_seen:.1f}s")
+            elif w.state == "lost" and w.restart_at is not None and now >= w.restart_at:
+                w.restart_at = None
+                self._spawn(w)
+        for inf in list(self._inflight.values()):
+            if now > inf.deadline:
+                for rank in list(inf.pending):
+                    self._lose(rank, f"task {inf.handle.task.task_id} "
+                                     f"({inf.handle.task.kind}) unanswered after "
+                                     f"{self.cfg.task_timeout_s}s")
+
+    def _lose(self, rank: int, reason: str) -> None:
+        w = self.workers[rank]
+        if w.state in ("lost", "failed"):
+            return
+        logger.error("coordinator: rank %d lost: %s", rank, reason)
+        w.state, w.lost_reason = "lost", reason
+        # Kill it before failing its tasks: no late copy may land in a block
+        # the manager is about to roll back and hand out again.
+        _stop_process(w.proc, grace_s=0.0)
+        for inf in list(self._inflight.values()):
+            self._rank_answered(inf, rank, False, f"worker lost: {reason}", lost=True)
+        if not self.cfg.spawn_workers:
+            return  # `kvcached launch` restarts it; its hello makes it ready again
+        if w.restarts < self.cfg.max_worker_restarts:
+            w.restart_at = time.monotonic() + min(0.2 * 2 ** w.restarts, 5.0)
+            w.restarts += 1
+        else:
+            w.state = "failed"
+            self._healthy = False
+            logger.error("coordinator: rank %d gave up after %d restarts; the CPU tier "
+                         "goes off and the engine serves GPU-only", rank, w.restarts)
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+
+    def _spawn(self, w: _WorkerState) -> None:
+        cmd = [sys.executable, "-m", "kvcached", "worker", "--rank", str(w.rank),
+               "--run-dir", str(self.run_dir), "--engine-pid", str(os.getpid()),
+               "--restarts", str(w.restarts)]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        w.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL,
+                                  stderr=open(self.log_dir / f"worker-rank{w.rank}.stderr", "ab"))
+        w.last_seen = time.monotonic()
+        w.state = "starting"
+        logger.info("coordinator: spawned rank %d as pid %d", w.rank, w.proc.pid)
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"workers": [
+            {"rank": w.rank, "pid": w.pid, "state": w.state, "restarts": w.restarts,
+             "lost_reason": w.lost_reason, "last_seen_s": round(now - w.last_seen, 3),
+             **w.info} for w in self.workers],
+            "inflight": len(self._inflight), "healthy": self._healthy}
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every rank is ready again (e.g. after a restart)."""
+        deadline = time.monotonic() + timeout_s
+        with self._ready_cv:
+            while not all(w.ready for w in self.workers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._ready_cv.wait(min(left, 0.1))
+        return True
+
+
+def _rank_of(ident: bytes, tp: int) -> int | None:
+    if not ident.startswith(b"rank-"):
+        return None
+    try:
+        rank = int(ident[5:])
+    except ValueError:
+        return None
+    return rank if 0 <= rank < tp else None
+
+
+def _merge_results(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Combine rank answers: byte counts add up, a usable prefix is the minimum."""
+    out: dict[str, Any] = {}
+    for res in per_rank.values():
+        if isinstance(res.get("bytes"), int):
+            out["bytes"] = out.get("bytes", 0) + res["bytes"]
+        if isinstance(res.get("prefix"), int):
+            out["prefix"] = min(out.get("prefix", res["prefix"]), res["prefix"])
+    return out
+
+
+def _stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:
+    """terminate -> wait -> kill; a zero grace kills at once."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        if grace_s > 0:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()
+        proc.wait(timeout=5.0)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
