@@ -16,9 +16,7 @@ already holds the same bytes; without one it is dropped.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -28,6 +26,7 @@ from kvcached.config import CacheConfig
 from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed, WorkerLost
 from kvcached.hashing import block_hashes, namespace_hash
 from kvcached.pool import BlockPool
+from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.stats import Counters
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
 from kvcached.tree import GPU_STATES, BlockTree, Node, Tier
@@ -62,10 +61,7 @@ class CacheManager:
     def __init__(self, cfg: CacheConfig, transfer: Transfer | None = None):
         self.cfg = cfg
         self.block_size = cfg.block_size
-        self._own_run_dir = not cfg.run_dir
-        self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="kvcached-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.run_dir, 0o700)  # sockets and descriptors live here
+        self.run_dir, self._own_run_dir = create_run_dir(cfg.run_dir)
         self.gpu_pool = BlockPool("gpu", cfg.num_gpu_blocks)
         self.cpu_pool = BlockPool("cpu", cfg.num_cpu_blocks)
         self.cpu_enabled = cfg.num_cpu_blocks > 0
@@ -83,6 +79,7 @@ class CacheManager:
         self._started = False
         self._closed = False
         self._asleep = False
+        self._paused = False
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> CacheManager:
@@ -123,6 +120,7 @@ class CacheManager:
         from kvcached.kvshare import allocate_kv_cache
         from kvcached.shm import cleanup_stale_segments
         cleanup_stale_segments()
+        cleanup_stale_run_dirs()
         cfg, layout = self.cfg, self.cfg.layout
         try:
             for rank in range(cfg.tp_size):
@@ -331,7 +329,8 @@ class CacheManager:
         deficit = need - self.gpu_pool.num_free
         if deficit <= 0:
             return
-        swap = self.cpu_enabled and self._transfer.healthy
+        # Swap-outs are waited for; while paused they would only wait for resume.
+        swap = self.cpu_enabled and self._transfer.healthy and not self._paused
         try:
             self._evict_gpu(deficit, swap)
         except TransferFailed as e:
@@ -572,6 +571,31 @@ class CacheManager:
             raise RuntimeError("CacheManager is closed")
         if self._asleep:
             raise CacheAsleep("kvcached is asleep; call wakeup() before allocating")
+
+    # -------------------------------------------------------------- control
+    def pause(self) -> dict:
+        """Hold transfers (in-flight ones finish); GPU hits keep being served."""
+        with self._lock:
+            res = self._control("pause")
+            self._paused = True
+            return res
+
+    def resume(self) -> dict:
+        """Run held transfers, in order."""
+        with self._lock:
+            res = self._control("resume")
+            self._paused = False
+            return res
+
+    def _control(self, op: str, **args) -> dict:
+        res = self._transfer.control(op, args, timeout_s=self.cfg.task_timeout_s)
+        if not res.get("ok", False) and res.get("lost"):
+            # A lost rank restarts in the default state; the others applied it.
+            logger.warning("%s: %s (the rank restarts)", op, res.get("error"))
+        elif not res.get("ok", False):
+            raise TimeoutError(f"{op} did not complete on every rank: {res.get('error')} "
+                               f"(silent ranks: {res.get('silent_ranks', [])})")
+        return res
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> CacheStats:

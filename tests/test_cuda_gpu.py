@@ -273,7 +273,7 @@ def test_second_process_sees_engine_writes_and_vice_versa(lib, tmp_path):
     export_kv_cache(planes, rank=0, run_dir=tmp_path)
     pool = HostPool(layout, 8)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    err = open(tmp_path / "child.err", "w")  # noqa: SIM115 (closed in finally)
+    err = open(tmp_path / "child.err", "w")  # closed in finally
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     proc.stderr_file = err

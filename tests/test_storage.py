@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest_storage import (  # noqa: E402
@@ -77,6 +79,17 @@ def test_header_roundtrip_and_every_rejection(kind):
         bad = bytearray(hdr)
         bad[pos] ^= 0xFF
         assert reason(header=bad) == why
+
+
+@settings(max_examples=60, deadline=None)
+@given(pos=st.integers(0, HEADER_SIZE + 255), bit=st.integers(0, 7))
+def test_any_single_bit_flip_is_detected(pos, bit):
+    payload = bytearray(range(256))
+    args = dict(layout_digest=LAYOUT.digest, block_hash=bytes(16), rank=0, tp_size=1)
+    obj_bytes = bytearray(obj.pack_header(payload=payload, **args)) + payload
+    obj_bytes[pos] ^= 1 << bit
+    hdr, data = obj_bytes[:HEADER_SIZE], obj_bytes[HEADER_SIZE:]
+    assert obj.verify_object(hdr, data, nread=len(obj_bytes), **args) is not None
 
 
 # ------------------------------------------------------------------ breaker
@@ -309,3 +322,45 @@ def test_open_backend_rejects_bad_urls(kind, url, match):
 def test_open_backend_rejects_unknown_options(tmp_path):
     with pytest.raises(ValueError, match="allowed"):
         open_backend("file", str(tmp_path), max_byte=3)
+
+
+def test_file_concurrent_opens_of_a_new_directory(tmp_path):
+    """All ranks open the same fresh directory at once: none may reject it."""
+    import threading
+
+    errors = []
+
+    def open_it():
+        try:
+            _file(tmp_path).put_from(["ns/x"], [b"1"])
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_it) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == []
+    path = _object_path(_file(tmp_path), "ns/x")
+    assert os.stat(path).st_mode & 0o777 == 0o600  # KV can reveal prompts
+
+
+def test_blockstore_concurrent_store_and_load(tmp_path):
+    """Header arenas are per call: parallel stores/loads never mix headers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bs = make_store(_file(tmp_path))
+    pool, hashes = make_pool(32), make_hashes(32)
+
+    def roundtrip(i):
+        sl = slice(i * 4, i * 4 + 4)
+        ids = list(range(32))[sl]
+        assert all(bs.store(hashes[sl], pool, ids))
+        out = torch.zeros_like(pool)
+        assert bs.load(hashes[sl], out, ids) == 4
+        assert torch.equal(out[sl], pool[sl])
+
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(roundtrip, range(8)))
+    assert bs.stats()["blocks_loaded"] == 32

@@ -89,18 +89,23 @@ class FileBackend(StorageBackend):
     # ------------------------------------------------------------ open
     def _open_root(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            # 0700: cached KV can reveal prompts, so other users get no access.
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"storage_url for file: cannot create directory "
                              f"{str(self.root)!r}: {e}") from e
         marker = self.root / MARKER
-        if not marker.exists():
-            if any(self.root.iterdir()):
-                raise ValueError(
-                    f"storage_url for file: {str(self.root)!r} is a non-empty directory "
-                    f"that is not a kvcached store (no {MARKER} file); use a new or empty "
-                    "directory")
-            marker.write_text("kvcached storage v1\n")
+        if marker.exists():
+            return
+        others = [e.name for e in _scandir(self.root) if e.name != MARKER]
+        # Re-check: another rank may have created the marker and its first objects
+        # between our two looks.
+        if others and not marker.exists():
+            raise ValueError(
+                f"storage_url for file: {str(self.root)!r} is a non-empty directory "
+                f"that is not a kvcached store (no {MARKER} file); use a new or empty "
+                "directory")
+        marker.write_text("kvcached storage v1\n")  # same content from every writer
 
     def _build_index(self) -> None:
         """Scan the directory once; order objects by modification time."""
@@ -209,13 +214,13 @@ class FileBackend(StorageBackend):
     def _write_tmp(self, tmp: str, parts: list[memoryview]) -> None:
         d = os.path.dirname(tmp)
         if d not in self._dirs:
-            os.makedirs(d, exist_ok=True)
+            os.makedirs(d, mode=0o700, exist_ok=True)
             self._dirs.add(d)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:  # the directory was removed (clear() elsewhere)
-            os.makedirs(d, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             _writev_all(fd, parts)
         finally:

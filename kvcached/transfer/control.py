@@ -1,7 +1,8 @@
 """Control operations as a worker applies them (the coordinator fans them out).
 
-pause: finish the copy in flight, hold queued tasks (nothing is dropped).
-resume: run held tasks in order. sleep: pause and detach from the KV planes
+pause: the coordinator holds new tasks (in order, nothing dropped); a rank
+answers once it finished every task it had been sent. resume: the
+coordinator sends what it held. sleep: pause and detach from the KV planes
 and host pool. wakeup: re-attach and resume. Every op is idempotent and says
 whether it changed anything.
 """
@@ -28,16 +29,16 @@ def apply_worker_control(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pause(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    changed = w.gate.is_set()
-    w.gate.clear()
+    changed = not w.paused
+    w.paused = True
     if not w.wait_idle(float(args.get("timeout_s", 30.0))):
-        raise TimeoutError(f"rank {w.rank}: the task in flight did not finish")
-    return {"changed": changed, "paused": True, "queued": w.queue_depths()}
+        raise TimeoutError(f"rank {w.rank}: tasks in flight did not finish")
+    return {"changed": changed, "paused": True}
 
 
 def _resume(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    changed = not w.gate.is_set()
-    w.gate.set()
+    changed = w.paused
+    w.paused = False
     return {"changed": changed, "paused": False}
 
 
@@ -58,7 +59,7 @@ def _wakeup(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _status(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    return {"paused": not w.gate.is_set(), "asleep": w.executor.planes is None,
+    return {"paused": w.paused, "asleep": w.executor.planes is None,
             "queues": w.queue_depths(), "done": w.tasks_done, "failed": w.tasks_failed}
 
 

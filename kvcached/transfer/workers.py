@@ -85,6 +85,8 @@ class WorkerTransfer(Transfer):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._healthy = True
+        self._paused = False  # pause/sleep: tasks are held here, in order, until resume
+        self._held: list[TaskHandle] = []
         self._hb_seq = 0
         self.control_handler = None  # set by the manager for `kvcached ctl`
 
@@ -195,6 +197,13 @@ class WorkerTransfer(Transfer):
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
                     for h in self._drain_outbox():
+                        if self._paused and h.task.kind != "control":
+                            self._held.append(h)
+                        else:
+                            self._send_task(h)
+                if self._held and not self._paused:
+                    held, self._held = self._held, []
+                    for h in held:
                         self._send_task(h)
                 if self._router in events:
                     while self._router.poll(0):
@@ -226,7 +235,12 @@ class WorkerTransfer(Transfer):
         now = time.monotonic()
         inf = _Inflight(h, {w.rank for w in self.workers}, now, now + self.cfg.task_timeout_s)
         self._inflight[t.task_id] = inf
-        payload = P.Task(t.task_id, t.kind, t.src, t.dst, t.args).encode(self.limits)
+        try:
+            payload = P.Task(t.task_id, t.kind, t.src, t.dst, t.args).encode(self.limits)
+        except P.ProtocolError as e:  # e.g. an id outside the pools: never sent
+            self._inflight.pop(t.task_id)
+            h.complete(TaskResult(t.task_id, False, f"invalid task: {e}"))
+            return
         for w in self.workers:
             if not w.ready:
                 self._rank_answered(inf, w.rank, False, f"rank {w.rank} not ready", lost=True)
@@ -382,13 +396,35 @@ class WorkerTransfer(Transfer):
         logger.info("coordinator: spawned rank %d as pid %d", w.rank, w.proc.pid)
 
     # ----------------------------------------------------------------- stats
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {"workers": [
+        return {"paused": self._paused, "held": len(self._held), "workers": [
             {"rank": w.rank, "pid": w.pid, "state": w.state, "restarts": w.restarts,
              "lost_reason": w.lost_reason, "last_seen_s": round(now - w.last_seen, 3),
              **w.info} for w in self.workers],
             "inflight": len(self._inflight), "healthy": self._healthy}
+
+    def control(self, op: str, args: dict[str, Any] | None = None,
+                timeout_s: float = 30.0) -> dict[str, Any]:
+        """Apply ``op`` on every rank; on timeout the answer names the silent ranks."""
+        if op in ("pause", "sleep"):
+            self._paused = True  # from now on new tasks wait here, in order
+        h = self.submit(Task("control", [], [], {"op": op, **(args or {}),
+                                                 "timeout_s": timeout_s}))
+        if not h.wait(timeout_s + 1.0):
+            return {"ok": False, "op": op, "error": f"no answer within {timeout_s}s",
+                    "ranks": {}, "silent_ranks": list(range(len(self.workers)))}
+        res = h.result
+        if op in ("resume", "wakeup"):
+            # A rank lost meanwhile restarts fresh (awake, unpaused): resume anyway.
+            self._paused = False
+            self._wake()  # the IO thread sends what was held
+        return {"ok": res.ok, "op": op, "error": res.error, "lost": res.lost,
+                "silent_ranks": [], "ranks": dict(res.per_rank)}
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every rank is ready again (e.g. after a restart)."""

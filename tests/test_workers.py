@@ -1,0 +1,280 @@
+"""Transfer workers as real processes over real ZeroMQ sockets (CPU backend)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config, toks
+from kvcached import NoFreeBlocks, TransferFailed, WorkerLost
+from kvcached.kvshare import attach_kv_cache
+from kvcached.manager import CacheManager
+
+FAST = dict(transfer_mode="workers", heartbeat_interval_s=0.1, worker_timeout_s=1.5,
+            engine_timeout_s=3.0, task_timeout_s=5.0, worker_start_timeout_s=60.0)
+
+
+def wait_for(pred, timeout: float, what: str, step: float = 0.02):
+    """Poll ``pred`` until true or fail naming ``what`` (no sleeping on luck)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child still answers kill(0): check its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def workers_manager(tmp_path):
+    made = []
+
+    def make(**kw) -> CacheManager:
+        cfg = tiny_config(**{**FAST, "run_dir": str(tmp_path / f"w{len(made)}"), **kw})
+        mgr = CacheManager(cfg)
+        made.append(mgr)
+        return mgr.start()
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def fill(planes, block: int, rank: int, salt: int) -> None:
+    for p, plane in enumerate(planes):
+        plane[block].fill_(salt * 1000 + rank * 100 + p)
+
+
+def test_tp2_swap_out_and_in_keep_every_byte_on_every_rank(workers_manager):
+    mgr = workers_manager(tp_size=2, num_gpu_blocks=6, num_cpu_blocks=8, num_layers=2)
+    planes = [attach_kv_cache(mgr.run_dir, r) for r in range(2)]
+    prompt = toks(1, 2, 3, tail=1)
+    a = mgr.allocate("r1", prompt)
+    for i, b in enumerate(a.block_ids[:3]):
+        for r in range(2):
+            fill(planes[r], b, r, salt=i + 1)
+    mgr.commit("r1", prompt, len(prompt))
+    mgr.free("r1")
+
+    # Another request takes every GPU block: r1's blocks are swapped out and
+    # their GPU copies overwritten by the new request's KV.
+    b = mgr.allocate("r2", toks(7, 8, 9, 10, 11, tail=1))
+    for blk in b.block_ids:
+        for r in range(2):
+            fill(planes[r], blk, r, salt=77)
+    mgr.commit("r2", toks(7, 8, 9, 10, 11, tail=1), 21)
+    mgr.free("r2")
+    assert mgr.stats().evictions.get("gpu_to_cpu", 0) >= 3
+
+    c = mgr.allocate("r3", prompt)
+    c.wait(timeout=10)
+    assert c.hit.cpu_tokens > 0 and c.num_cached_tokens == 12
+    for i, blk in enumerate(c.block_ids[:3]):
+        for r in range(2):
+            for p, plane in enumerate(planes[r]):
+                want = (i + 1) * 1000 + r * 100 + p
+                assert bool((plane[blk] == want).all()), (i, r, p, blk)
+    st = mgr.stats()
+    assert st.transfers["swap_in"]["done"] == 1
+    assert [w["state"] for w in st.workers] == ["ready", "ready"]
+    mgr.check_invariants()
+
+
+def test_worker_command_line_and_logs(workers_manager):
+    mgr = workers_manager(tp_size=2)
+    pids = [w["pid"] for w in mgr.stats().workers]
+    for rank, pid in enumerate(pids):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"kvcached" in cmd and b"worker" in cmd
+        assert cmd[cmd.index(b"--rank") + 1] == str(rank).encode()
+    log = mgr.run_dir / "logs" / "worker-rank1.log"
+    wait_for(lambda: log.exists() and "ready" in log.read_text(), 10, "worker log")
+    assert all("worker-rank1" in line for line in log.read_text().splitlines() if line)
+
+
+def test_sigkill_worker_mid_task_fails_fast_and_serving_continues(workers_manager):
+    mgr = workers_manager(tp_size=2, num_gpu_blocks=8, num_cpu_blocks=4)
+    prompt = toks(1, 2, 3)
+    mgr.allocate("r1", prompt)
+    mgr.commit("r1", prompt, 12)
+    mgr.free("r1")
+    mgr.allocate("r2", toks(5, 6, 7, 8, 9, 10, tail=1))  # "3", "2" go to CPU
+    mgr.free("r2")
+    # Paused: the swap-in is planned and held, so it is surely in flight.
+    mgr.pause()
+    a = mgr.allocate("r3", prompt + [0])
+    assert not a.ready and a.hit.cpu_tokens == 8
+    victim = mgr.stats().workers[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    mgr.resume()  # rank 0 gets the task; rank 1 is lost
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLost):
+        a.wait(timeout=10)
+    assert time.monotonic() - t0 < 3.5  # within the worker deadline
+    assert a.num_cached_tokens == 4  # only the GPU hit is left
+    mgr.check_invariants()
+    mgr.commit("r3", prompt + [0], 13)
+    mgr.free("r3")
+
+    # The rank is restarted and swaps work again.
+    assert mgr.transfer.wait_ready(30)
+    workers = mgr.stats().workers
+    assert workers[1]["pid"] != victim and workers[1]["restarts"] == 1
+    mgr.allocate("r4", toks(11, 12, 13, 14, 15, 16, 17, tail=1))  # evicts via swap_out
+    mgr.free("r4")
+    assert mgr.stats().transfers["swap_out"]["done"] >= 2
+    mgr.check_invariants()
+
+
+def test_worker_that_cannot_restart_leaves_gpu_only_serving(workers_manager):
+    mgr = workers_manager(tp_size=1, num_gpu_blocks=4, num_cpu_blocks=4,
+                          max_worker_restarts=0)
+    mgr.allocate("r1", toks(1, 2, 3))
+    mgr.commit("r1", toks(1, 2, 3), 12)
+    mgr.free("r1")
+    mgr.allocate("r2", toks(5, 6, tail=1))  # two blocks now on CPU
+    mgr.free("r2")
+    os.kill(mgr.stats().workers[0]["pid"], signal.SIGKILL)
+    wait_for(lambda: not mgr.transfer.healthy, 5, "the coordinator to give up")
+    mgr.check_invariants()
+    assert not mgr.cpu_enabled and mgr.cpu_pool.num_used == 0
+    for i in range(3):  # keeps serving by dropping GPU blocks
+        a = mgr.allocate(f"g{i}", toks(10 + i, 20 + i, tail=1))
+        mgr.commit(f"g{i}", toks(10 + i, 20 + i, tail=1), 9)
+        mgr.free(f"g{i}")
+    with pytest.raises(NoFreeBlocks):
+        mgr.allocate("huge", toks(*range(40, 46)))
+    mgr.check_invariants()
+
+
+ENGINE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from conftest import tiny_config
+    from kvcached.manager import CacheManager
+    cfg = tiny_config(transfer_mode="workers", tp_size=2, heartbeat_interval_s=0.1,
+                      worker_timeout_s=1.5, engine_timeout_s=3.0, num_cpu_blocks=4)
+    mgr = CacheManager(cfg).start()
+    print(mgr.run_dir, *[w["pid"] for w in mgr.stats().workers], flush=True)
+    time.sleep(600)
+""")
+
+
+def test_sigkill_engine_workers_exit_and_next_start_cleans_up(workers_manager, tmp_path):
+    from kvcached import shm
+    tests = str(Path(__file__).parent)
+    eng = subprocess.Popen([sys.executable, "-c", ENGINE.format(tests=tests)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        line = eng.stdout.readline().split()
+        assert len(line) == 3, f"engine did not start: {line}"
+        run_dir, pids = Path(line[0]), [int(p) for p in line[1:]]
+        segs = [p.name for p in shm.shm_dir().glob(f"kvcached-{eng.pid}-*")]
+        assert len(segs) >= 4  # KV planes + host pool, per rank
+        eng.kill()
+        eng.wait()
+        t0 = time.monotonic()
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "workers to exit")
+        assert time.monotonic() - t0 < 3.0 + 1.0  # engine_timeout_s, and in fact sooner
+    finally:
+        eng.kill()
+        eng.stdout.close()
+    # The next start removes the dead engine's segments and run directory.
+    workers_manager(tp_size=1)
+    assert not list(shm.shm_dir().glob(f"kvcached-{eng.pid}-*"))
+    assert not run_dir.exists()
+
+
+def test_mismatched_layout_is_refused_at_handshake(tmp_path):
+    run_dir = tmp_path / "mm"
+    cfg = tiny_config(**{**FAST, "run_dir": str(run_dir), "spawn_workers": False,
+                         "worker_start_timeout_s": 20.0})
+    mgr = CacheManager(cfg)
+    other = tmp_path / "other.toml"
+    other.write_text("num_layers = 1\nnum_kv_heads = 1\nhead_dim = 8\nblock_size = 4\n"
+                     "num_gpu_blocks = 8\nnum_cpu_blocks = 0\n")
+    worker = subprocess.Popen([sys.executable, "-m", "kvcached", "worker", "--rank", "0",
+                               "--run-dir", str(run_dir), "--config", str(other)])
+    try:
+        with pytest.raises(TimeoutError, match="layout digest mismatch") as e:
+            mgr.start()
+        assert cfg.layout.digest in str(e.value)
+        assert worker.wait(timeout=20) == 3  # the worker was told why and exited
+    finally:
+        worker.kill()
+        mgr.close()
+
+
+def test_task_with_out_of_range_ids_fails_cleanly(workers_manager):
+    """A bad id fails the task on every rank; no memory is touched; workers live on."""
+    from kvcached.transfer.base import Task
+    mgr = workers_manager(tp_size=2, num_cpu_blocks=4)
+    planes = attach_kv_cache(mgr.run_dir, 0)
+    before = [p.clone() for p in planes]
+    h = mgr.transfer.submit(Task("swap_in", [0, 1], [2, 9999]))
+    assert h.wait(10)
+    assert not h.result.ok and "9999" in h.result.error
+    assert all(torch.equal(a, b) for a, b in zip(before, planes))
+    h = mgr.transfer.submit(Task("noop", [], []))
+    assert h.wait(10) and h.result.ok
+    assert [w["state"] for w in mgr.stats().workers] == ["ready", "ready"]
+
+
+def test_control_pause_holds_tasks_and_resume_runs_them_in_order(workers_manager):
+    from kvcached.transfer.base import Task
+    mgr = workers_manager(tp_size=2, num_cpu_blocks=4)
+    t = mgr.transfer
+    assert t.control("pause", {}, timeout_s=5)["ok"]
+    handles = [t.submit(Task("swap_out", [i], [i])) for i in range(3)]
+    time.sleep(0.3)  # the point is that nothing happens: give it a chance to
+    assert not any(h.done() for h in handles)
+    again = t.control("pause", {}, timeout_s=5)
+    assert again["ok"] and not any(r["changed"] for r in again["ranks"].values())
+    assert t.control("resume", {}, timeout_s=5)["ok"]
+    for h in handles:
+        assert h.wait(10) and h.result.ok
+    order = [h.result.per_rank[0]["finished"] for h in handles]
+    assert order == sorted(order)
+
+
+def test_transfer_failed_is_raised_for_failed_swap_in(workers_manager, monkeypatch):
+    mgr = workers_manager(tp_size=1, num_gpu_blocks=4, num_cpu_blocks=4)
+    mgr.allocate("r1", toks(1, 2, 3))
+    mgr.commit("r1", toks(1, 2, 3), 12)
+    mgr.free("r1")
+    mgr.allocate("r2", toks(5, 6, tail=1))
+    mgr.free("r2")
+    # Corrupt the plan: point the swap-in at a host block beyond the pool.
+    real_submit = mgr.transfer.submit
+
+    def bad_submit(task):
+        if task.kind == "swap_in":
+            task.src = [9999] * len(task.src)
+        return real_submit(task)
+
+    monkeypatch.setattr(mgr.transfer, "submit", bad_submit)
+    a = mgr.allocate("r3", toks(1, 2, 3, tail=1))
+    with pytest.raises(TransferFailed) as e:
+        a.wait(timeout=10)
+    assert not isinstance(e.value, WorkerLost)
+    mgr.check_invariants()
