@@ -63,6 +63,10 @@ class CacheConfig:
     storage_min_load_blocks: int = 1
     storage_max_bytes: int = 0
     check_host_memory: bool = True
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    kv_events_endpoint: str = ""
+    control_socket: bool = True
 
     # ------------------------------------------------------------------ load
     @classmethod
@@ -100,7 +104,9 @@ class CacheConfig:
         _positive(self, "num_layers", "num_kv_heads", "head_dim", "tp_size",
                   "block_size", "num_gpu_blocks", "copy_threads")
         _non_negative(self, "num_cpu_blocks", "max_worker_restarts",
-                      "storage_min_load_blocks", "storage_max_bytes")
+                      "storage_min_load_blocks", "storage_max_bytes", "metrics_port")
+        if self.metrics_port > 65535:
+            raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}")
         _positive(self, "worker_start_timeout_s", "heartbeat_interval_s",
                   "worker_timeout_s", "engine_timeout_s", "task_timeout_s",
                   "storage_load_timeout_s")
@@ -119,6 +125,9 @@ class CacheConfig:
             raise ValueError(
                 f"storage_url must be set for storage_backend={self.storage_backend!r} "
                 "(e.g. 127.0.0.1:50051 for mooncake, redis://127.0.0.1:6379 for redis)")
+        if self.storage_backend and not self.num_cpu_blocks:
+            raise ValueError(f"storage_backend={self.storage_backend!r} needs a CPU tier "
+                             "(host blocks stage every storage transfer): set num_cpu_blocks > 0")
         if not self.model_id:
             raise ValueError("model_id must be a non-empty string, got ''")
         if self.check_host_memory:

@@ -33,7 +33,21 @@ def check(mgr: CacheManager) -> None:
     _check_ownership(mgr, nodes, "gpu")
     _check_ownership(mgr, nodes, "cpu")
     _check_requests(mgr, nodes)
+    _check_busy(mgr, nodes)
     _check_lru(mgr, nodes)
+
+
+def _check_busy(mgr: CacheManager, nodes: list[Node]) -> None:
+    """``busy`` counts the write-through tasks in flight that read the node."""
+    busy: collections.Counter[Node] = collections.Counter()
+    for kind, _, task_nodes, _ in mgr._pending.values():
+        if kind == "store":
+            busy.update(task_nodes)
+    for n in nodes:
+        if n.busy != busy[n]:
+            _fail(f"{n}: busy={n.busy} but {busy[n]} store tasks in flight read it")
+        if n.busy and (n.state is not Tier.GPU or n.cpu < 0):
+            _fail(f"{n}: a busy node must be on GPU with its staging CPU block")
 
 
 def _check_structure(nodes: list[Node]) -> None:
@@ -48,6 +62,8 @@ def _check_structure(nodes: list[Node]) -> None:
             _fail(f"{n}: state {n.state.name} without a CPU block")
         if n.state is Tier.STORAGE and (n.cpu >= 0 or not n.in_storage):
             _fail(f"{n}: STORAGE node must hold no CPU block and be in storage")
+        if p.parent is not None and p.state is Tier.STORAGE and n.state is not Tier.STORAGE:
+            _fail(f"{n} holds a copy under the STORAGE-only node {p}")
         if p.parent is not None:
             if holds_gpu and p.state not in GPU_STATES:
                 _fail(f"{n} holds a GPU block under {p} which does not (GPU not prefix-closed)")

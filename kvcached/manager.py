@@ -23,7 +23,8 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from kvcached.config import CacheConfig
-from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed, WorkerLost
+from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed
+from kvcached.fetch import FetchMixin, task_error
 from kvcached.hashing import block_hashes, namespace_hash
 from kvcached.pool import BlockPool
 from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
@@ -55,7 +56,7 @@ class _Request:
         self.chain_open = True
 
 
-class CacheManager:
+class CacheManager(FetchMixin):
     """Prefix-cache manager (see DESIGN.md §10 for the contract)."""
 
     def __init__(self, cfg: CacheConfig, transfer: Transfer | None = None):
@@ -68,7 +69,8 @@ class CacheManager:
         self.tree = BlockTree()
         self._ns = namespace_hash(cfg.model_id, cfg.weight_version, cfg.salt)
         self._reqs: dict[Hashable, _Request] = {}
-        self._pending: dict[int, tuple[_Request, list[Node]]] = {}
+        # task id -> (kind, request, nodes, handle) of fetches and stores in flight
+        self._pending: dict[int, tuple] = {}
         self._clock = 0
         self._n_gpu_idle = 0  # nodes in state GPU with ref 0: what eviction can free
         self._lock = threading.RLock()
@@ -80,6 +82,7 @@ class CacheManager:
         self._closed = False
         self._asleep = False
         self._paused = False
+        self._host_released = False
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> CacheManager:
@@ -108,6 +111,10 @@ class CacheManager:
         self._closed = True
         with self._lock:
             if self._transfer is not None:
+                try:  # pending stores finish first: they are what survives a restart
+                    self._wait_background(self.cfg.task_timeout_s + 5.0)
+                except TimeoutError as e:
+                    logger.warning("close: %s", e)
                 self._transfer.close()
             self._release_shared_memory()
         if self._own_run_dir:
@@ -208,22 +215,22 @@ class CacheManager:
 
     def _finish_allocate(self, req: _Request, matched: list[Node], n_gpu: int,
                          new: list[int]) -> Allocation:
+        """Build the block table: GPU hits, then CPU hits (swap-in), then storage
+        hits (load), then fresh blocks to compute into."""
         bs = self.block_size
-        req.blocks = [nd.gpu for nd in matched[:n_gpu]]
         swap = matched[n_gpu:]
-        for nd, g in zip(swap, new):
-            self._set(nd, Tier.SWAP_IN, gpu=g)
-            req.blocks.append(g)
-        req.blocks.extend(new[len(swap):])
-        req.nodes = matched
-        handles = []
+        req.blocks = [nd.gpu for nd in matched[:n_gpu]] + new
+        req.nodes = list(matched)
+        req.alloc = Allocation(req.rid, req.blocks, 0, HitInfo(), [], self._wait_allocation)
         if swap:
-            h = self._submit(Task("swap_in", [nd.cpu for nd in swap], [nd.gpu for nd in swap]))
-            self._pending[h.task.task_id] = (req, swap)
-            handles.append(h)
-        hit = HitInfo(gpu_tokens=n_gpu * bs, cpu_tokens=len(swap) * bs)
-        req.alloc = Allocation(req.rid, req.blocks, len(matched) * bs, hit, handles,
-                               self._wait_allocation)
+            self._plan_swap_in(req, swap, new[:len(swap)])
+        parent = matched[-1] if matched else self.tree.root
+        limit = (req.num_tokens - 1) // bs
+        loads = self._plan_load(req, parent, len(matched), limit, new[len(swap):])
+        req.nodes.extend(loads)
+        hit = HitInfo(n_gpu * bs, len(swap) * bs, len(loads) * bs)
+        req.alloc.num_cached_tokens = len(req.nodes) * bs
+        req.alloc.hit = hit
         self._reqs[req.rid] = req
         self._counters.count_request(req.num_tokens, hit)
         return req.alloc
@@ -275,7 +282,9 @@ class CacheManager:
             full = num_computed_tokens // bs
             if req.chain_open and full > len(req.nodes):
                 self._extend_hashes(req, token_ids, full)
+                start = len(req.nodes)
                 self._insert(req, full)
+                self._write_through(req.nodes[start:])
             return req.blocks
 
     def _extend_hashes(self, req: _Request, token_ids: Sequence[int], full: int) -> None:
@@ -353,6 +362,9 @@ class CacheManager:
         while freed < count:
             node = self.tree.gpu_lru.pop()
             if node is None:
+                # Idle blocks still being written through to storage: let them land.
+                if self._wait_background(self.cfg.task_timeout_s + 5.0):
+                    continue
                 raise AssertionError("GPU eviction found no leaf although blocks were idle")
             if node.cpu < 0:
                 cpu = self._take_cpu_block() if swap else None
@@ -384,7 +396,7 @@ class CacheManager:
             res = self._await([h], self.cfg.task_timeout_s + 5.0)[0]
             if not res.ok:
                 self._rollback_swap_out(batch, copies)
-                raise _task_error(res, "swap_out")
+                raise task_error(res, "swap_out")
         for n in batch:
             self._release_gpu(n, Tier.CPU)
         self._counters.evictions["gpu_to_cpu"] += len(copies)
@@ -512,42 +524,23 @@ class CacheManager:
             h = q.popleft()
             self._counters.task_done(h.task, h.result)
             ctx = self._pending.pop(h.task.task_id, None)
-            if ctx is not None:
-                self._finish_swap_in(ctx[0], ctx[1], h.result)
+            if ctx is None:
+                continue  # swap-outs and lookups are handled where they are waited for
+            kind, req, nodes, _ = ctx
+            if kind == "store":
+                self._finish_store(nodes, h.result)
+            else:
+                self._finish_fetch(kind, req, nodes, h.result)
         if self.cpu_enabled and not self._pending and not self._transfer.healthy:
             self._disable_cpu_tier()
 
     def _disable_cpu_tier(self) -> None:
         """The workers are gone for good: forget every CPU copy, serve GPU-only."""
-        holders = sorted((n for n in self.tree.walk() if n.cpu >= 0), key=lambda n: -n.depth)
-        for n in holders:  # deepest first: a parent goes after its children
-            if n.cpu >= 0:
-                self._drop_cpu(n)
+        used = self.cpu_pool.num_used
+        self._drop_cpu_tier()  # deepest first: a parent goes after its children
         self.cpu_enabled = False
         logger.error("transfer workers cannot be restarted: CPU tier switched off "
-                     "(%d blocks dropped); serving GPU-only", len(holders))
-
-    def _finish_swap_in(self, req: _Request, nodes: list[Node], res: TaskResult) -> None:
-        if res.ok:
-            for n in nodes:
-                self._set(n, Tier.GPU)  # the CPU copy stays as a backup
-            return
-        # Roll back: the nodes stay on CPU; their new GPU blocks become the
-        # request's private blocks, to be recomputed.
-        first = req.nodes.index(nodes[0])
-        for n in nodes:
-            self._set(n, Tier.CPU, gpu=-1)
-        for n in reversed(req.nodes[first:]):
-            self._unref(n)
-        del req.nodes[first:]
-        a = req.alloc
-        lost = a.hit.cpu_tokens
-        a.num_cached_tokens -= lost
-        a.hit = HitInfo(a.hit.gpu_tokens, 0, a.hit.storage_tokens)
-        self._counters.hit_tokens["cpu"] -= lost
-        a.error = _task_error(res, "swap_in")
-        logger.warning("swap_in for request %r failed (%s); %d tokens will be recomputed",
-                       req.rid, res.error, lost)
+                     "(%d blocks dropped); serving GPU-only", used)
 
     def _wait_allocation(self, alloc: Allocation, timeout: float | None) -> None:
         limit = self.cfg.task_timeout_s + 5.0 if timeout is None else timeout
@@ -587,6 +580,100 @@ class CacheManager:
             self._paused = False
             return res
 
+    def sleep(self, release_host_pool: bool = False) -> dict:
+        """Pause and detach from the engine's KV planes (the engine may free them).
+
+        The GPU tier's contents are forgotten (blocks with a CPU copy stay in
+        the CPU tier); with ``release_host_pool`` the CPU tier is emptied and
+        its shared memory released too. ``allocate`` raises CacheAsleep until
+        ``wakeup``. Running requests must be freed first.
+        """
+        with self._lock:
+            if self._asleep:
+                return {"changed": False, "asleep": True}
+            self._reap()
+            if self._reqs:
+                raise RuntimeError(f"{len(self._reqs)} requests are still running; "
+                                   "free them before sleep()")
+            self._wait_background(self.cfg.task_timeout_s + 5.0)
+            res = self._control("sleep")
+            self._paused = self._asleep = True
+            self._drop_gpu_tier()
+            if release_host_pool and self.cpu_enabled:
+                self._drop_cpu_tier()
+                for pool in self._host_pools:
+                    pool.remove()
+                self._host_pools.clear()
+                self._host_released = True
+            return {"changed": True, "asleep": True, "ranks": res.get("ranks", {})}
+
+    def wakeup(self) -> dict:
+        """Re-create a released host pool, re-attach every rank, resume."""
+        with self._lock:
+            if not self._asleep:
+                return {"changed": False, "asleep": False}
+            if self._host_released:
+                from kvcached.hostpool import HostPool
+                for rank in range(self.cfg.tp_size):
+                    self._host_pools.append(HostPool.create(
+                        self.run_dir, rank, self.cfg.num_cpu_blocks, self.cfg.layout.block_bytes))
+                self._host_released = False
+            res = self._control("wakeup")
+            self._paused = self._asleep = False
+            return {"changed": True, "asleep": False, "ranks": res.get("ranks", {})}
+
+    def update_weights(self, version: str) -> dict:
+        """Switch to the namespace of weight ``version``: nothing computed with
+        other weights is matched again, in any tier (old blocks age out by LRU)."""
+        version = str(version)
+        if not version:
+            raise ValueError("update_weights needs a non-empty version")
+        with self._lock:
+            if version == self.cfg.weight_version:
+                return {"changed": False, "version": version}
+            res = self._control("update_weights", version=version)
+            self.cfg = self.cfg.replace(weight_version=version)
+            self._ns = namespace_hash(self.cfg.model_id, version, self.cfg.salt)
+            logger.info("weights updated to version %s: new cache namespace", version)
+            return {"changed": True, "version": version, "ranks": res.get("ranks", {})}
+
+    def _wait_background(self, timeout_s: float) -> bool:
+        """Wait for every task in flight and apply it; False if there was none."""
+        handles = [ctx[3] for ctx in self._pending.values()]
+        if handles:
+            self._await(handles, timeout_s)
+            self._reap()
+        return bool(handles)
+
+    def _drop_gpu_tier(self) -> None:
+        """Forget every GPU copy (the planes may be freed while asleep)."""
+        for n in sorted((n for n in self.tree.walk() if n.state is Tier.GPU),
+                        key=lambda n: -n.depth):
+            if n.cpu >= 0:
+                self._release_gpu(n, Tier.CPU)
+            else:
+                self._drop_gpu(n)
+
+    def _drop_cpu_tier(self) -> None:
+        for n in sorted((n for n in self.tree.walk() if n.cpu >= 0), key=lambda n: -n.depth):
+            if n.cpu >= 0:
+                self._drop_cpu(n)
+
+    def status(self) -> dict:
+        """Everything `kvcached status` shows, JSON-friendly."""
+        st = self.stats()
+        transfer = self._transfer.stats() if self._transfer else {}
+        return {"run_dir": str(self.run_dir), "log_dir": str(self.log_dir),
+                "paused": self._paused, "asleep": self._asleep,
+                "cpu_tier": self.cpu_enabled, "weight_version": self.cfg.weight_version,
+                "transfer_mode": self.cfg.transfer_mode, "tp_size": self.cfg.tp_size,
+                "stats": st.to_dict(), "workers": st.workers,
+                "transfer": {k: v for k, v in transfer.items() if k != "workers"}}
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.cfg.log_dir or self.run_dir / "logs")
+
     def _control(self, op: str, **args) -> dict:
         res = self._transfer.control(op, args, timeout_s=self.cfg.task_timeout_s)
         if not res.get("ok", False) and res.get("lost"):
@@ -623,21 +710,16 @@ def _subtree(node: Node):
 
 def gpu_evictable(n: Node) -> bool:
     """An unreferenced GPU node with no child on GPU."""
-    return n.state is Tier.GPU and n.ref == 0 and n.n_gpu_children == 0
+    return n.state is Tier.GPU and n.ref == 0 and n.n_gpu_children == 0 and n.busy == 0
 
 
 def cpu_evictable(n: Node) -> bool:
     """A CPU copy that no CPU child depends on; a backup of a GPU node always qualifies."""
-    if n.cpu < 0 or n.n_cpu_children:
+    if n.cpu < 0 or n.n_cpu_children or n.busy:
         return False
     if n.state is Tier.GPU:
         return True
     return n.state is Tier.CPU and n.ref == 0 and n.n_gpu_children == 0
-
-
-def _task_error(res: TaskResult, kind: str) -> TransferFailed:
-    cls = WorkerLost if res.lost else TransferFailed
-    return cls(f"{kind} task {res.task_id} failed: {res.error}")
 
 
 __all__ = ["CacheManager", "GPU_STATES"]

@@ -31,6 +31,7 @@ class Counters:
         self.evictions: collections.Counter[str] = collections.Counter()
         self.dedup_blocks = 0
         self.no_free_blocks = 0
+        self.storage: collections.Counter[str] = collections.Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
         self._latency: dict[str, collections.deque[float]] = {}
 
@@ -77,6 +78,7 @@ class Counters:
                    "cpu": _usage(mgr.cpu_pool, mgr.cpu_pool.num_used)},
             evictions=dict(self.evictions), dedup_blocks=self.dedup_blocks,
             no_free_blocks=self.no_free_blocks, transfers=transfers, workers=workers,
+            storage=dict(self.storage),
             cached_nodes=mgr.tree.num_nodes)
 
 

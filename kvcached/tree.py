@@ -47,7 +47,7 @@ class Node:
     """One cached block. Plain slots: the tree holds up to millions of these."""
 
     __slots__ = ("hash", "parent", "children", "state", "gpu", "cpu", "in_storage",
-                 "ref", "last_access", "depth", "n_gpu_children", "n_cpu_children")
+                 "ref", "last_access", "depth", "n_gpu_children", "n_cpu_children", "busy")
 
     def __init__(self, h: bytes, parent: Node | None, depth: int):
         self.hash = h
@@ -64,6 +64,7 @@ class Node:
         # state GPU or SWAP_IN (a SWAP_OUT child is already leaving).
         self.n_gpu_children = 0
         self.n_cpu_children = 0  # children holding a CPU block
+        self.busy = 0  # background tasks (write-through) reading this node's blocks
 
     @property
     def holds_gpu_for_parent(self) -> bool:

@@ -83,6 +83,7 @@ class CacheStats:
     no_free_blocks: int = 0
     transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
     workers: list[dict[str, Any]] = field(default_factory=list)
+    storage: dict[str, int] = field(default_factory=dict)
     cached_nodes: int = 0
 
     @property

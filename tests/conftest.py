@@ -10,7 +10,8 @@ from kvcached import CacheConfig
 from kvcached.manager import CacheManager
 
 TINY = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_gpu_blocks=8,
-            num_cpu_blocks=0, transfer_mode="inprocess", create_cache=True, dtype="float32")
+            num_cpu_blocks=0, transfer_mode="inprocess", create_cache=True, dtype="float32",
+            storage_backend="none")
 
 
 def tiny_config(**overrides) -> CacheConfig:

@@ -10,7 +10,7 @@ import pytest
 from conftest import toks
 from helpers import FlakyTransfer, snapshot, tier_of
 
-from kvcached import NoFreeBlocks, TransferFailed, WorkerLost
+from kvcached import NoFreeBlocks, TransferFailed
 
 
 def serve(mgr, rid, tokens, extra_key=None):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config, toks
+
 from kvcached import NoFreeBlocks, TransferFailed, WorkerLost
 from kvcached.kvshare import attach_kv_cache
 from kvcached.manager import CacheManager

@@ -108,3 +108,17 @@ class Transfer(ABC):
     def healthy(self) -> bool:
         """False once the transfer cannot move blocks any more (the CPU tier must go)."""
         return True
+
+
+def merge_results(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Combine rank answers: byte counts add up, a usable prefix is the minimum."""
+    out: dict[str, Any] = {}
+    for res in per_rank.values():
+        if isinstance(res.get("bytes"), int):
+            out["bytes"] = out.get("bytes", 0) + res["bytes"]
+        if isinstance(res.get("prefix"), int):
+            out["prefix"] = min(out.get("prefix", res["prefix"]), res["prefix"])
+        if isinstance(res.get("stored"), list):  # stored only if stored on every rank
+            prev = out.get("stored", res["stored"])
+            out["stored"] = [min(a, b) for a, b in zip(prev, res["stored"])]
+    return out

@@ -46,7 +46,7 @@ def _sleep(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     res = _pause(w, args)
     changed = w.executor.planes is not None
     if changed:
-        w.executor.close()
+        w.executor.close(final=False)
     return {"changed": changed or res["changed"], "asleep": True}
 
 
@@ -64,9 +64,12 @@ def _status(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _update_weights(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    from kvcached.storage.objects import storage_namespace
     version = str(args.get("version", ""))
     if not version:
         raise ValueError("update_weights needs a non-empty 'version'")
+    cfg = w.cfg
+    w.executor.set_namespace(storage_namespace(cfg.model_id, version, cfg.salt))
     return {"changed": True, "version": version}
 
 

@@ -18,6 +18,8 @@ from kvcached.transfer.base import Task
 
 logger = logging.getLogger(__name__)
 
+LOAD_CHUNK = 16  # blocks read per storage batch; the load deadline is checked between
+
 
 class RankExecutor:
     """Copies blocks for one rank; ``run`` raises on any failure, touching nothing."""
@@ -30,6 +32,7 @@ class RankExecutor:
         self.planes = None
         self.host = None
         self.engine = None
+        self.store = None  # BlockStore when a storage backend is configured
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
@@ -42,6 +45,9 @@ class RankExecutor:
             self.host = HostPool.attach(self.run_dir, self.rank, self.cfg.num_cpu_blocks,
                                         layout.block_bytes, owner_pid=self.owner_pid)
             self.engine = self._make_engine()
+            if self.cfg.storage_backend and self.store is None:
+                from kvcached.storage.blockstore import BlockStore
+                self.store = BlockStore.from_config(self.cfg, self.rank)
 
     def _make_engine(self):
         offsets = self.cfg.layout.host_offsets
@@ -56,19 +62,64 @@ class RankExecutor:
         """Execute one task on this rank; returns {"bytes": n, ...}."""
         t0 = time.perf_counter()
         if task.kind == "noop":
-            nbytes = 0
-        elif task.kind in ("swap_out", "swap_in"):
-            if self.engine is None:
-                raise RuntimeError(f"rank {self.rank}: the CPU tier is off (num_cpu_blocks=0)")
-            if task.kind == "swap_out":
-                nbytes = self.engine.swap_out(task.src, task.dst)
-            else:
-                nbytes = self.engine.swap_in(task.src, task.dst)
+            return {"bytes": 0}
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank}: no host pool (num_cpu_blocks=0, or asleep)")
+        if task.kind == "swap_out":
+            out = {"bytes": self.engine.swap_out(task.src, task.dst)}
+        elif task.kind == "swap_in":
+            out = {"bytes": self.engine.swap_in(task.src, task.dst)}
+        elif task.kind in ("store", "load", "lookup"):
+            out = self._storage_task(task)
         else:
             raise ValueError(f"rank {self.rank}: unsupported task kind {task.kind!r}")
-        return {"bytes": nbytes, "copy_s": time.perf_counter() - t0}
+        out["copy_s"] = time.perf_counter() - t0
+        return out
 
-    def close(self) -> None:
+    # ---------------------------------------------------------------- storage
+    def _storage_task(self, task: Task) -> dict[str, Any]:
+        if self.store is None:
+            raise RuntimeError(f"rank {self.rank}: no storage backend is attached")
+        hashes = [bytes.fromhex(k) for k in task.args["keys"]]
+        if task.kind == "lookup":
+            return {"prefix": self.store.lookup(hashes)}
+        if task.kind == "store":
+            return self._store(task, hashes)
+        return self._load(task, hashes)
+
+    def _store(self, task: Task, hashes: list[bytes]) -> dict[str, Any]:
+        """Write-through: optionally stage GPU blocks into the host blocks first."""
+        device_ids = task.args.get("device_ids")
+        nbytes = self.engine.swap_out(device_ids, task.src) if device_ids else 0
+        ok = self.store.store(hashes, self.host.tensor, task.src)
+        return {"bytes": nbytes, "stored": [int(x) for x in ok]}
+
+    def _load(self, task: Task, hashes: list[bytes]) -> dict[str, Any]:
+        """Storage -> host blocks (in chunks, until the deadline) -> GPU blocks."""
+        deadline = task.args.get("deadline_s")
+        stop = time.monotonic() + deadline if deadline else None
+        done = 0
+        while done < len(hashes):
+            start, end = done, min(done + LOAD_CHUNK, len(hashes))
+            done = start + self.store.load(hashes[start:end], self.host.tensor,
+                                           task.dst[start:end])
+            if done < end or (stop is not None and time.monotonic() > stop):
+                break
+        device_ids = task.args.get("device_ids")
+        nbytes = self.engine.swap_in(task.dst[:done], device_ids[:done]) if device_ids else 0
+        return {"prefix": done, "bytes": nbytes}
+
+    def set_namespace(self, namespace: str) -> None:
+        if self.store is not None:
+            self.store.set_namespace(namespace)
+
+    def close(self, final: bool = True) -> None:
+        """Detach from the planes and host pool; ``final`` also closes storage."""
+        if self.store is not None:
+            self.store.release_host_pool()
+            if final:
+                self.store.close()
+                self.store = None
         self.engine = None
         if self.host is not None:
             self.host.close()

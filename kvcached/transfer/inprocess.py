@@ -11,7 +11,7 @@ import logging
 import time
 
 from kvcached.config import CacheConfig
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer, merge_results
 from kvcached.transfer.executor import RankExecutor
 
 logger = logging.getLogger(__name__)
@@ -42,9 +42,25 @@ class InProcessTransfer(Transfer):
         ok = not errors
         handle.complete(TaskResult(task.task_id, ok, "; ".join(errors),
                                    elapsed_s=time.perf_counter() - t0,
-                                   blocks_done=len(task.src) if ok else 0, per_rank=per_rank))
+                                   blocks_done=len(task.src) if ok else 0, per_rank=per_rank,
+                                   result=merge_results(per_rank) if ok else {}))
         return handle
 
     def close(self) -> None:
         for ex in self.executors:
             ex.close()
+
+    def control(self, op: str, args=None, timeout_s: float = 10.0) -> dict:
+        """Copies are synchronous here, so pause/resume have nothing to hold."""
+        args = args or {}
+        for ex in self.executors:
+            if op == "sleep":
+                ex.close(final=False)
+            elif op == "wakeup":
+                ex.open(timeout_s=timeout_s)
+            elif op == "update_weights":
+                from kvcached.storage.objects import storage_namespace
+                ex.set_namespace(storage_namespace(self.cfg.model_id, args["version"],
+                                                   self.cfg.salt))
+        return {"ok": True, "op": op, "ranks": {ex.rank: {"changed": True}
+                                               for ex in self.executors}}

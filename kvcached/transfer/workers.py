@@ -33,7 +33,7 @@ import zmq
 
 from kvcached.config import CacheConfig
 from kvcached.transfer import protocol as P
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer, merge_results
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
 
 logger = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ class WorkerTransfer(Transfer):
         inf.handle.complete(TaskResult(
             t.task_id, ok, "; ".join(inf.errors), lost=inf.lost,
             elapsed_s=time.monotonic() - inf.t0, blocks_done=len(t.src or t.dst) if ok else 0,
-            per_rank=inf.per_rank, result=_merge_results(inf.per_rank)))
+            per_rank=inf.per_rank, result=merge_results(inf.per_rank)))
 
     # -------------------------------------------------------------- liveness
     def _check_liveness(self, now: float) -> None:
@@ -446,17 +446,6 @@ def _rank_of(ident: bytes, tp: int) -> int | None:
     except ValueError:
         return None
     return rank if 0 <= rank < tp else None
-
-
-def _merge_results(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Combine rank answers: byte counts add up, a usable prefix is the minimum."""
-    out: dict[str, Any] = {}
-    for res in per_rank.values():
-        if isinstance(res.get("bytes"), int):
-            out["bytes"] = out.get("bytes", 0) + res["bytes"]
-        if isinstance(res.get("prefix"), int):
-            out["prefix"] = min(out.get("prefix", res["prefix"]), res["prefix"])
-    return out
 
 
 def _stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:

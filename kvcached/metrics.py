@@ -1,0 +1,254 @@
+"""Prometheus metrics for one engine's kvcached (opt-in: config ``metrics_port``).
+
+A custom collector reads ``manager.status()`` at scrape time, so nothing is
+counted twice and the manager's hot path does no metrics work. Served by a
+small threaded HTTP server on ``metrics_host`` (127.0.0.1 by default) at
+``/metrics``. Needs the ``prometheus-client`` package
+(``pip install 'kvcached[metrics]'``).
+
+Metrics (all prefixed ``kvcached_``):
+
+    hit_rate{tier}                        share of prompt tokens served from the tier
+    hit_tokens_total{tier}, prompt_tokens_total, requests_total
+    blocks_moved_total{direction}         gpu_to_cpu, cpu_to_gpu, cpu_to_storage, storage_to_cpu
+    bytes_moved_total{direction}
+    tasks_total{kind, outcome}            outcome: done | failed
+    task_latency_seconds{kind}            histogram, when the manager keeps buckets
+    task_latency_quantile_seconds{kind, quantile}   p50 / p99 of recent tasks
+    tier_blocks{tier, state}              used | free | cached
+    evictions_total{kind}
+    queue_depth{rank, lane}               tasks waiting or running on a worker lane
+    worker_up{rank}, worker_restarts_total{rank}
+    storage_errors_total{kind}
+    paused, asleep, up                    up is 0 when status() itself failed
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "kvcached_"
+# Task kind -> the direction its blocks move.
+DIRECTIONS = {"swap_out": "gpu_to_cpu", "swap_in": "cpu_to_gpu", "store": "cpu_to_storage",
+              "load": "storage_to_cpu"}
+MISSING_EXTRA = ("metrics_port is set but the prometheus-client package is not installed: "
+                 "pip install 'kvcached[metrics]' (or set metrics_port = 0)")
+
+
+def _prometheus():
+    try:
+        import prometheus_client  # noqa: F401
+        from prometheus_client import core, exposition
+    except ImportError as e:
+        raise RuntimeError(MISSING_EXTRA) from e
+    return core, exposition
+
+
+class StatusCollector:
+    """A prometheus-client collector over ``manager.status()``."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self._core, _ = _prometheus()
+
+    def describe(self) -> list:
+        return []  # no fixed set: families depend on what the status holds
+
+    def collect(self) -> Iterator[Any]:
+        """Called by prometheus-client at every scrape."""
+        core = self._core
+        try:
+            status = self.manager.status()
+        except Exception as e:  # a scrape must never take the engine down
+            logger.warning("metrics: status() failed: %s", e)
+            yield core.GaugeMetricFamily(PREFIX + "up", "status() answered", value=0)
+            return
+        yield core.GaugeMetricFamily(PREFIX + "up", "status() answered", value=1)
+        stats = status.get("stats") or {}
+        yield from _flags(core, status)
+        yield from _hits(core, stats)
+        yield from _tiers(core, stats)
+        yield from _transfers(core, stats.get("transfers") or {})
+        yield from _workers(core, status.get("workers") or stats.get("workers") or [])
+        yield from _storage(core, status.get("storage") or {})
+
+
+def _flags(core, status: dict) -> Iterator[Any]:
+    for name in ("paused", "asleep"):
+        yield core.GaugeMetricFamily(PREFIX + name, f"1 while kvcached is {name}",
+                                     value=float(bool(status.get(name))))
+
+
+def _hits(core, stats: dict) -> Iterator[Any]:
+    prompt = stats.get("prompt_tokens", 0) or 0
+    hits = stats.get("hit_tokens") or {}
+    rate = core.GaugeMetricFamily(PREFIX + "hit_rate",
+                                  "share of prompt tokens served from the tier", labels=["tier"])
+    tokens = core.CounterMetricFamily(PREFIX + "hit_tokens", "prompt tokens served from the tier",
+                                      labels=["tier"])
+    for tier, n in sorted(hits.items()):
+        rate.add_metric([tier], n / prompt if prompt else 0.0)
+        tokens.add_metric([tier], n)
+    yield rate
+    yield tokens
+    yield core.CounterMetricFamily(PREFIX + "prompt_tokens", "prompt tokens seen", value=prompt)
+    yield core.CounterMetricFamily(PREFIX + "requests", "requests allocated",
+                                   value=stats.get("requests", 0) or 0)
+    ev = core.CounterMetricFamily(PREFIX + "evictions", "blocks evicted, by kind",
+                                  labels=["kind"])
+    for kind, n in sorted((stats.get("evictions") or {}).items()):
+        ev.add_metric([kind], n)
+    yield ev
+
+
+def _tiers(core, stats: dict) -> Iterator[Any]:
+    fam = core.GaugeMetricFamily(PREFIX + "tier_blocks", "blocks per tier and state",
+                                 labels=["tier", "state"])
+    for tier, usage in sorted((stats.get("tiers") or {}).items()):
+        for state in ("used", "free", "cached", "total"):
+            if isinstance(usage, dict) and state in usage:
+                fam.add_metric([tier, state], usage[state])
+    yield fam
+
+
+def _transfers(core, transfers: dict) -> Iterator[Any]:
+    blocks = core.CounterMetricFamily(PREFIX + "blocks_moved", "blocks moved, by direction",
+                                      labels=["direction"])
+    nbytes = core.CounterMetricFamily(PREFIX + "bytes_moved", "bytes moved, by direction",
+                                      labels=["direction"])
+    tasks = core.CounterMetricFamily(PREFIX + "tasks", "transfer tasks finished",
+                                     labels=["kind", "outcome"])
+    quant = core.GaugeMetricFamily(PREFIX + "task_latency_quantile_seconds",
+                                   "latency of recent tasks", labels=["kind", "quantile"])
+    hist = core.HistogramMetricFamily(PREFIX + "task_latency_seconds",
+                                      "task latency (every rank done)", labels=["kind"])
+    for kind, t in sorted(transfers.items()):
+        direction = DIRECTIONS.get(kind)
+        if direction:
+            blocks.add_metric([direction], t.get("blocks", 0))
+            nbytes.add_metric([direction], t.get("bytes", 0))
+        for outcome in ("done", "failed"):
+            tasks.add_metric([kind, outcome], t.get(outcome, 0))
+        for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")):
+            if key in t:
+                quant.add_metric([kind, q], t[key] / 1e3)
+        _add_histogram(hist, kind, t.get("histogram"))
+    yield from (blocks, nbytes, tasks, quant, hist)
+
+
+def _add_histogram(fam, kind: str, h: dict | None) -> None:
+    """``h``: {"buckets": [[upper bound s, cumulative count], ...], "sum": s}."""
+    if not isinstance(h, dict) or not h.get("buckets"):
+        return
+    buckets = [(_le(le), n) for le, n in h["buckets"]]
+    if buckets[-1][0] != "+Inf":
+        buckets.append(("+Inf", h.get("count", buckets[-1][1])))
+    fam.add_metric([kind], buckets, h.get("sum", 0.0))
+
+
+def _le(bound) -> str:
+    return "+Inf" if bound in (None, "+Inf", float("inf")) else repr(float(bound))
+
+
+def _workers(core, workers: list) -> Iterator[Any]:
+    up = core.GaugeMetricFamily(PREFIX + "worker_up", "1 while the rank's worker is ready",
+                                labels=["rank"])
+    restarts = core.CounterMetricFamily(PREFIX + "worker_restarts", "worker restarts",
+                                        labels=["rank"])
+    depth = core.GaugeMetricFamily(PREFIX + "queue_depth", "tasks queued or running per lane",
+                                   labels=["rank", "lane"])
+    for w in workers:
+        rank = str(w.get("rank", "?"))
+        up.add_metric([rank], float(w.get("state") == "ready"))
+        restarts.add_metric([rank], w.get("restarts", 0))
+        for lane, n in sorted((w.get("queues") or {}).items()):
+            depth.add_metric([rank, lane], n)
+    yield from (up, restarts, depth)
+
+
+def _storage(core, storage: dict) -> Iterator[Any]:
+    fam = core.CounterMetricFamily(PREFIX + "storage_errors", "storage errors, by kind",
+                                   labels=["kind"])
+    errors = storage.get("errors", {})
+    if isinstance(errors, dict):
+        for kind, n in sorted(errors.items()):
+            if isinstance(n, (int, float)):
+                fam.add_metric([kind], n)
+    elif isinstance(errors, (int, float)):
+        fam.add_metric(["all"], errors)
+    yield fam
+
+
+class MetricsServer:
+    """Serves ``/metrics`` for ``manager`` on ``host:port`` (port 0: any free port)."""
+
+    def __init__(self, manager, host: str = "127.0.0.1", port: int = 0):
+        core, self._exposition = _prometheus()  # fail at start, naming the extra
+        self.registry = core.CollectorRegistry(auto_describe=False)
+        self.registry.register(StatusCollector(manager))
+        self.host = host
+        self.port = port
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> MetricsServer:
+        """Bind and serve on a daemon thread; ``self.port`` is the bound port."""
+        handler = _make_handler(self.registry, self._exposition)
+        try:
+            self._httpd = ThreadingHTTPServer((self.host, self.port), handler)
+        except OSError as e:
+            raise RuntimeError(f"cannot serve metrics on {self.host}:{self.port}: {e}; "
+                               "choose another metrics_port") from e
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        kwargs={"poll_interval": 0.2},
+                                        name="kvcached-metrics", daemon=True)
+        self._thread.start()
+        logger.info("Prometheus metrics on http://%s:%d/metrics", self.host, self.port)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        if self._httpd is None:
+            return
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._httpd = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def __enter__(self) -> MetricsServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _make_handler(registry, exposition) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path.split("?")[0] not in ("/", "/metrics"):
+                self.send_error(404, "try /metrics")
+                return
+            body = exposition.generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", exposition.CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args) -> None:
+            logger.debug("metrics: " + fmt, *args)
+
+    return Handler
