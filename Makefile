@@ -4,6 +4,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+SERVICES := $(VENV)/.services
 TORCH   ?= torch==2.13.0
 
 .PHONY: demo test lint cuda bench clean venv
@@ -20,14 +21,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VPY) -m kvcached demo
 
-test: $(STAMP)
+# Servers the storage tests run against (redis-server, Mooncake); idempotent.
+$(SERVICES): scripts/install_services.sh $(STAMP)
+	bash scripts/install_services.sh $(VENV)
+	touch $(SERVICES)
+
+test: $(STAMP) $(SERVICES)
 	$(VPY) -m pytest -q -ra
 
 lint: $(STAMP)
 	$(VPY) -m ruff check kvcached tests scripts
 
 cuda: $(STAMP)
-	$(VPY) -m kvcached build-cuda
+	$(VPY) -m kvcached.copy.cuda --build
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -56,7 +56,7 @@ class CacheConfig:
     task_timeout_s: float = 30.0
     max_worker_restarts: int = 3
     copy_threads: int = 1
-    storage_backend: str | None = None
+    storage_backend: str | None = "file"
     storage_url: str = ""
     storage_load_policy: str = "best_effort"
     storage_load_timeout_s: float = 1.0

@@ -117,7 +117,8 @@ class KVEventPublisher:
         self.source = source
         self.max_pending = max_pending
         self.dropped = 0
-        self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        # (seq, ts, kind, tier, hashes); encoded on the sender thread, not the caller's
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._seq = itertools.count(1)
         self._lock = threading.Lock()  # seq order == queue order, whoever publishes
         self._thread: threading.Thread | None = None
@@ -146,7 +147,7 @@ class KVEventPublisher:
                              f"got {kind!r}, {tier!r}")
         if self._closed:
             return
-        hashes = [bytes(h) for h in block_hashes]
+        hashes = list(block_hashes)  # the caller may reuse its list
         with self._lock:
             seq = next(self._seq)
             if self._queue.qsize() >= self.max_pending:
@@ -154,8 +155,7 @@ class KVEventPublisher:
                 if self.dropped == 1 or self.dropped % 10000 == 0:
                     logger.warning("KV event queue full: %d events dropped", self.dropped)
                 return
-            self._queue.put(encode_event(self.topic, seq, time.time(), kind, tier, hashes,
-                                         self.source))
+            self._queue.put((seq, time.time(), kind, tier, hashes))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued, then stop the thread and close the socket."""
@@ -188,9 +188,12 @@ class KVEventPublisher:
         self._bound.set()
         try:
             while True:
-                frames = self._queue.get()
-                if frames is None:
+                item = self._queue.get()
+                if item is None:
                     return
+                seq, ts, kind, tier, hashes = item
+                frames = encode_event(self.topic, seq, ts, kind, tier,
+                                      [bytes(h) for h in hashes], self.source)
                 try:
                     sock.send_multipart(frames, flags=zmq.NOBLOCK)
                 except zmq.Again:

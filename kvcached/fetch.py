@@ -160,7 +160,7 @@ class FetchMixin:
         if error is not None and a.error is None:
             a.error = error
         logger.warning("%s for request %r %s; %d tokens will be recomputed", kind, req.rid,
-                       "failed: %s" % error if error else "came back short", lost)
+                       f"failed: {error}" if error else "came back short", lost)
 
     # ------------------------------------------------------- write-through
     def _write_through(self, nodes: list[Node]) -> None:

@@ -123,7 +123,7 @@ def _check_requests(mgr: CacheManager, nodes: list[Node]) -> None:
 
 
 def _check_lru(mgr: CacheManager, nodes: list[Node]) -> None:
-    from kvcached.manager import cpu_evictable, gpu_evictable
+    from kvcached.eviction import cpu_evictable, gpu_evictable
     for name, lru, pred in (("GPU", mgr.tree.gpu_lru, gpu_evictable),
                             ("CPU", mgr.tree.cpu_lru, cpu_evictable)):
         expected = {n for n in nodes if pred(n)}

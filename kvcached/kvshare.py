@@ -24,6 +24,7 @@ needs it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -195,8 +196,8 @@ def _cpu_locations(planes: list[torch.Tensor]) -> list[dict]:
 
 def _cuda_ipc():
     """The CUDA hook module, imported only when CUDA planes are involved."""
-    try:
-        from kvcached import cuda_ipc
+    try:  # import_module, not `from kvcached import`: honours a blocked sys.modules entry
+        cuda_ipc = importlib.import_module("kvcached.cuda_ipc")
     except ImportError as e:
         raise RuntimeError(f"CUDA KV planes need kvcached.cuda_ipc, which could not be "
                            f"imported ({e})") from e
@@ -204,12 +205,16 @@ def _cuda_ipc():
 
 
 def export_kv_cache(planes: list[torch.Tensor], rank: int,
-                    run_dir: str | os.PathLike) -> Path:
+                    run_dir: str | os.PathLike, event=None) -> Path:
     """Publish rank ``rank``'s KV planes for other processes; returns the descriptor path.
 
     CPU planes must live in a kvcached shared-memory segment (see
     :func:`allocate_kv_cache`); CUDA planes are exported through CUDA IPC by
     ``kvcached.cuda_ipc``. The planes must stay alive while others use them.
+    ``event``: on CUDA, a ``torch.cuda.Event(interprocess=True)`` the engine
+    records on its compute stream after each forward pass; the worker's
+    swap-outs wait on its latest record, so they never read KV still being
+    written.
     """
     _validate_planes(planes)
     device = planes[0].device
@@ -228,6 +233,8 @@ def export_kv_cache(planes: list[torch.Tensor], rank: int,
             "run_id": shm.run_id(run_dir), "device": str(device),
             "device_type": device.type, "num_blocks": planes[0].shape[0],
             "planes": entries}
+    if event is not None:
+        desc["event_ipc_handle"] = bytes(event.ipc_handle()).hex()
     path = descriptor_path(run_dir, rank)
     _write_atomic(path, desc)
     logger.info("exported %d KV planes of rank %d (%s, %d blocks) to %s",

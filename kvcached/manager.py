@@ -23,14 +23,15 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from kvcached.config import CacheConfig
-from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed
-from kvcached.fetch import FetchMixin, task_error
+from kvcached.errors import CacheAsleep, NoFreeBlocks
+from kvcached.eviction import EvictionMixin, cpu_evictable, gpu_evictable
+from kvcached.fetch import FetchMixin
 from kvcached.hashing import block_hashes, namespace_hash
 from kvcached.pool import BlockPool
 from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.stats import Counters
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
-from kvcached.tree import GPU_STATES, BlockTree, Node, Tier
+from kvcached.tree import BlockTree, Node, Tier
 from kvcached.types import Allocation, CacheStats, HitInfo
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class _Request:
         self.chain_open = True
 
 
-class CacheManager(FetchMixin):
+class CacheManager(EvictionMixin, FetchMixin):
     """Prefix-cache manager (see DESIGN.md §10 for the contract)."""
 
     def __init__(self, cfg: CacheConfig, transfer: Transfer | None = None):
@@ -333,176 +334,6 @@ class CacheManager(FetchMixin):
             if private:
                 self.gpu_pool.free(private[::-1])  # tail first, as vLLM does
 
-    # ------------------------------------------------------------- eviction
-    def _make_room(self, need: int) -> None:
-        deficit = need - self.gpu_pool.num_free
-        if deficit <= 0:
-            return
-        # Swap-outs are waited for; while paused they would only wait for resume.
-        swap = self.cpu_enabled and self._transfer.healthy and not self._paused
-        try:
-            self._evict_gpu(deficit, swap)
-        except TransferFailed as e:
-            # The victims were rolled back onto the GPU: drop them instead, so
-            # a broken CPU tier costs hits, never the ability to serve.
-            logger.warning("swap_out failed (%s); evicting by dropping instead", e)
-            self._evict_gpu(need - self.gpu_pool.num_free, swap=False)
-
-    def _evict_gpu(self, count: int, swap: bool) -> None:
-        """Free ``count`` GPU blocks from LRU leaves (the caller checked they exist).
-
-        Victims leave in one swap_out batch; a victim that already has a CPU
-        backup joins the batch without a copy, so that a failed batch rolls
-        every victim back together (a parent never leaves the GPU before its
-        child has).
-        """
-        batch: list[Node] = []
-        copies: list[Node] = []
-        freed = 0
-        while freed < count:
-            node = self.tree.gpu_lru.pop()
-            if node is None:
-                # Idle blocks still being written through to storage: let them land.
-                if self._wait_background(self.cfg.task_timeout_s + 5.0):
-                    continue
-                raise AssertionError("GPU eviction found no leaf although blocks were idle")
-            if node.cpu < 0:
-                cpu = self._take_cpu_block() if swap else None
-                if cpu is None and batch:
-                    # The CPU leaves may be this batch's own victims: land them
-                    # first so they become evictable, then retry this node.
-                    self._refresh(node)
-                    self._swap_out(batch, copies)
-                    batch, copies = [], []
-                    continue
-                if cpu is None:
-                    self._drop_gpu(node)
-                    freed += 1
-                    continue
-                self._set(node, Tier.SWAP_OUT, cpu=cpu)
-                copies.append(node)
-            else:
-                self._set(node, Tier.SWAP_OUT)  # the backup already holds the bytes
-            batch.append(node)
-            freed += 1
-        if batch:
-            self._swap_out(batch, copies)
-
-    def _swap_out(self, batch: list[Node], copies: list[Node]) -> None:
-        """Move ``batch`` to the CPU tier, copying ``copies``; their GPU blocks are
-        reused only once the copy finished on every rank."""
-        if copies:
-            h = self._submit(Task("swap_out", [n.gpu for n in copies], [n.cpu for n in copies]))
-            res = self._await([h], self.cfg.task_timeout_s + 5.0)[0]
-            if not res.ok:
-                self._rollback_swap_out(batch, copies)
-                raise task_error(res, "swap_out")
-        for n in batch:
-            self._release_gpu(n, Tier.CPU)
-        self._counters.evictions["gpu_to_cpu"] += len(copies)
-        if len(batch) > len(copies):
-            self._counters.evictions["gpu_to_cpu_backup"] += len(batch) - len(copies)
-
-    def _rollback_swap_out(self, batch: list[Node], copies: list[Node]) -> None:
-        cpus = [n.cpu for n in copies]
-        copied = set(copies)
-        for n in reversed(batch):  # the blocks stay on GPU; new CPU blocks go back
-            self._set(n, Tier.GPU, cpu=-1 if n in copied else None)
-        self.cpu_pool.free(cpus, front=True)
-
-    def _take_cpu_block(self) -> int | None:
-        if self.cpu_pool.num_free == 0:
-            node = self.tree.cpu_lru.pop()
-            if node is None:
-                return None
-            self._drop_cpu(node)
-        return self.cpu_pool.allocate(1)[0]
-
-    def _release_gpu(self, node: Node, state: Tier) -> None:
-        gpu = node.gpu
-        self._set(node, state, gpu=-1)
-        self.gpu_pool.free([gpu])
-
-    def _drop_gpu(self, node: Node) -> None:
-        """Forget the GPU copy; the node survives only if storage still has it."""
-        self._release_gpu(node, Tier.STORAGE)
-        self._counters.evictions["gpu_dropped"] += 1
-        if not node.in_storage:
-            self._remove(node)
-
-    def _remove(self, node: Node) -> None:
-        """Unlink a node that holds no copy; CPU copies below it (unreachable
-        without it) are dropped with it."""
-        cpus = []
-        for n in _subtree(node):
-            if n.cpu >= 0:
-                cpus.append(n.cpu)
-                n.cpu = -1
-                self._counters.evictions["cpu_dropped"] += 1
-        self.tree.remove(node)
-        if cpus:
-            self.cpu_pool.free(cpus)
-
-    def _drop_cpu(self, node: Node) -> None:
-        cpu = node.cpu
-        if node.state is Tier.GPU:
-            self._set(node, Tier.GPU, cpu=-1)  # only a backup goes
-        else:
-            self._set(node, Tier.STORAGE, cpu=-1)
-            if not node.in_storage:
-                self._remove(node)
-        self.cpu_pool.free([cpu])
-        self._counters.evictions["cpu_dropped"] += 1
-
-    # ------------------------------------------------------ node bookkeeping
-    def _set(self, node: Node, state: Tier, gpu: int | None = None,
-             cpu: int | None = None) -> None:
-        """Change a node's state/copies and keep counters and LRU sets exact."""
-        old_g = node.state is Tier.GPU or node.state is Tier.SWAP_IN
-        old_c = node.cpu >= 0
-        old_idle = node.state is Tier.GPU and node.ref == 0
-        node.state = state
-        if gpu is not None:
-            node.gpu = gpu
-        if cpu is not None:
-            node.cpu = cpu
-        new_g = state is Tier.GPU or state is Tier.SWAP_IN
-        new_c = node.cpu >= 0
-        self._n_gpu_idle += (state is Tier.GPU and node.ref == 0) - old_idle
-        parent = node.parent
-        if new_g != old_g or new_c != old_c:
-            parent.n_gpu_children += new_g - old_g
-            parent.n_cpu_children += new_c - old_c
-            self._refresh(parent)
-        self._refresh(node)
-
-    def _ref(self, node: Node) -> None:
-        node.ref += 1
-        if node.ref == 1:
-            if node.state is Tier.GPU:
-                self._n_gpu_idle -= 1
-            self._refresh(node)
-
-    def _unref(self, node: Node) -> None:
-        node.ref -= 1
-        node.last_access = self._clock
-        if node.ref == 0 and node.state is Tier.GPU:
-            self._n_gpu_idle += 1
-        self._refresh(node)
-
-    def _refresh(self, node: Node) -> None:
-        """Put ``node`` in exactly the LRU sets it is evictable from."""
-        if node.parent is None:
-            return  # the root is never evicted
-        if gpu_evictable(node):
-            self.tree.gpu_lru.add(node)
-        else:
-            self.tree.gpu_lru.discard(node)
-        if cpu_evictable(node):
-            self.tree.cpu_lru.add(node)
-        else:
-            self.tree.cpu_lru.discard(node)
-
     # ------------------------------------------------------------ transfers
     def _submit(self, task: Task) -> TaskHandle:
         h = self._transfer.submit(task)
@@ -533,14 +364,6 @@ class CacheManager(FetchMixin):
                 self._finish_fetch(kind, req, nodes, h.result)
         if self.cpu_enabled and not self._pending and not self._transfer.healthy:
             self._disable_cpu_tier()
-
-    def _disable_cpu_tier(self) -> None:
-        """The workers are gone for good: forget every CPU copy, serve GPU-only."""
-        used = self.cpu_pool.num_used
-        self._drop_cpu_tier()  # deepest first: a parent goes after its children
-        self.cpu_enabled = False
-        logger.error("transfer workers cannot be restarted: CPU tier switched off "
-                     "(%d blocks dropped); serving GPU-only", used)
 
     def _wait_allocation(self, alloc: Allocation, timeout: float | None) -> None:
         limit = self.cfg.task_timeout_s + 5.0 if timeout is None else timeout
@@ -645,20 +468,6 @@ class CacheManager(FetchMixin):
             self._reap()
         return bool(handles)
 
-    def _drop_gpu_tier(self) -> None:
-        """Forget every GPU copy (the planes may be freed while asleep)."""
-        for n in sorted((n for n in self.tree.walk() if n.state is Tier.GPU),
-                        key=lambda n: -n.depth):
-            if n.cpu >= 0:
-                self._release_gpu(n, Tier.CPU)
-            else:
-                self._drop_gpu(n)
-
-    def _drop_cpu_tier(self) -> None:
-        for n in sorted((n for n in self.tree.walk() if n.cpu >= 0), key=lambda n: -n.depth):
-            if n.cpu >= 0:
-                self._drop_cpu(n)
-
     def status(self) -> dict:
         """Everything `kvcached status` shows, JSON-friendly."""
         st = self.stats()
@@ -700,26 +509,4 @@ class CacheManager(FetchMixin):
             check(self)
 
 
-def _subtree(node: Node):
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())
-
-
-def gpu_evictable(n: Node) -> bool:
-    """An unreferenced GPU node with no child on GPU."""
-    return n.state is Tier.GPU and n.ref == 0 and n.n_gpu_children == 0 and n.busy == 0
-
-
-def cpu_evictable(n: Node) -> bool:
-    """A CPU copy that no CPU child depends on; a backup of a GPU node always qualifies."""
-    if n.cpu < 0 or n.n_cpu_children or n.busy:
-        return False
-    if n.state is Tier.GPU:
-        return True
-    return n.state is Tier.CPU and n.ref == 0 and n.n_gpu_children == 0
-
-
-__all__ = ["CacheManager", "GPU_STATES"]
+__all__ = ["CacheManager", "cpu_evictable", "gpu_evictable"]

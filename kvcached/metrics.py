@@ -19,7 +19,7 @@ Metrics (all prefixed ``kvcached_``):
     evictions_total{kind}
     queue_depth{rank, lane}               tasks waiting or running on a worker lane
     worker_up{rank}, worker_restarts_total{rank}
-    storage_errors_total{kind}
+    storage_ops_total{kind}, storage_errors_total{kind}   from the storage counters
     paused, asleep, up                    up is 0 when status() itself failed
 """
 
@@ -37,6 +37,7 @@ PREFIX = "kvcached_"
 # Task kind -> the direction its blocks move.
 DIRECTIONS = {"swap_out": "gpu_to_cpu", "swap_in": "cpu_to_gpu", "store": "cpu_to_storage",
               "load": "storage_to_cpu"}
+STORAGE_ERROR_WORDS = ("fail", "error", "short", "timeout", "corrupt", "checksum")
 MISSING_EXTRA = ("metrics_port is set but the prometheus-client package is not installed: "
                  "pip install 'kvcached[metrics]' (or set metrics_port = 0)")
 
@@ -76,7 +77,7 @@ class StatusCollector:
         yield from _tiers(core, stats)
         yield from _transfers(core, stats.get("transfers") or {})
         yield from _workers(core, status.get("workers") or stats.get("workers") or [])
-        yield from _storage(core, status.get("storage") or {})
+        yield from _storage(core, status.get("storage") or stats.get("storage") or {})
 
 
 def _flags(core, status: dict) -> Iterator[Any]:
@@ -172,17 +173,22 @@ def _workers(core, workers: list) -> Iterator[Any]:
     yield from (up, restarts, depth)
 
 
-def _storage(core, storage: dict) -> Iterator[Any]:
-    fam = core.CounterMetricFamily(PREFIX + "storage_errors", "storage errors, by kind",
+def _storage(core, counts: dict) -> Iterator[Any]:
+    """Storage counters (``stats.storage``): every one as an op count, failures also
+    as errors."""
+    ops = core.CounterMetricFamily(PREFIX + "storage_ops", "storage operations, by outcome",
                                    labels=["kind"])
-    errors = storage.get("errors", {})
-    if isinstance(errors, dict):
-        for kind, n in sorted(errors.items()):
-            if isinstance(n, (int, float)):
-                fam.add_metric([kind], n)
-    elif isinstance(errors, (int, float)):
-        fam.add_metric(["all"], errors)
-    yield fam
+    errors = core.CounterMetricFamily(PREFIX + "storage_errors",
+                                      "failed or short storage operations, by kind",
+                                      labels=["kind"])
+    for kind, n in sorted(counts.items()):
+        if not isinstance(n, (int, float)) or isinstance(n, bool):
+            continue
+        ops.add_metric([kind], n)
+        if any(word in kind for word in STORAGE_ERROR_WORDS):
+            errors.add_metric([kind], n)
+    yield ops
+    yield errors
 
 
 class MetricsServer:

@@ -15,14 +15,14 @@ from kvcached.config import DEFAULT_TOML
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Every key of the contract (DESIGN §10) with a value that differs from the default.
+# Every key of the contract (DESIGN §10), with a value other than the TOML file's below.
 CONTRACT = {
     "num_gpu_blocks": 100,
     "num_cpu_blocks": 300,
     "block_size": 32,
     "tp_size": 2,
     "transfer_mode": "inprocess",
-    "storage_backend": "file",
+    "storage_backend": None,
     "storage_url": "/tmp/kvcached-test-store",
     "run_dir": "/tmp/kvcached-test-run",
     "create_cache": True,
@@ -35,8 +35,8 @@ CONTRACT = {
 }
 # A third value per key, used in the TOML file so that kwargs must win over it.
 TOML_VALUES = {
-    "num_gpu_blocks": 77, "num_cpu_blocks": 0, "block_size": 8, "tp_size": 4,
-    "transfer_mode": "workers", "storage_backend": "none", "storage_url": "/tmp/elsewhere",
+    "num_gpu_blocks": 77, "num_cpu_blocks": 16, "block_size": 8, "tp_size": 4,
+    "transfer_mode": "workers", "storage_backend": "file", "storage_url": "/tmp/elsewhere",
     "run_dir": "/tmp/kvcached-toml-run", "create_cache": False, "engine_timeout_s": 7.0,
     "num_layers": 5, "num_kv_heads": 8, "head_dim": 32, "dtype": "float16", "mla": False,
 }
@@ -88,9 +88,7 @@ def test_contract_key_as_kwarg_without_toml(key):
 
 @pytest.mark.parametrize("key", sorted(CONTRACT))
 def test_contract_key_kwarg_beats_toml(key, toml_file):
-    from_toml = CacheConfig.load(toml_file)
-    expected = None if TOML_VALUES[key] == "none" else TOML_VALUES[key]
-    assert getattr(from_toml, key) == expected
+    assert getattr(CacheConfig.load(toml_file), key) == TOML_VALUES[key]
     assert getattr(CacheConfig.load(toml_file, **{key: CONTRACT[key]}), key) == CONTRACT[key]
 
 
@@ -195,6 +193,20 @@ def test_remote_storage_needs_url(backend):
     assert CacheConfig.load(storage_backend=backend, storage_url="127.0.0.1:1").storage_url
 
 
+def test_storage_needs_a_cpu_tier():
+    with pytest.raises(ValueError, match="storage_backend='file' needs a CPU tier .*"
+                                         "set num_cpu_blocks > 0"):
+        CacheConfig.load(storage_backend="file", num_cpu_blocks=0)
+    assert CacheConfig.load(storage_backend=None, num_cpu_blocks=0).num_cpu_blocks == 0
+
+
+def test_metrics_port_range():
+    with pytest.raises(ValueError, match="metrics_port must be in 0..65535 .*got 70000"):
+        CacheConfig.load(metrics_port=70000)
+    with pytest.raises(ValueError, match="metrics_port must be >= 0, got -1"):
+        CacheConfig.load(metrics_port=-1)
+
+
 def test_heartbeat_must_be_shorter_than_worker_timeout():
     with pytest.raises(ValueError, match=r"heartbeat_interval_s \(3.0\) must be smaller than "
                                          r"worker_timeout_s \(3.0\)"):
@@ -243,7 +255,7 @@ def test_host_memory_check(monkeypatch):
     assert "131072 bytes per block" in msg
     # The CPU backend's device planes live in host memory too.
     with pytest.raises(ValueError, match="lower num_cpu_blocks or num_gpu_blocks"):
-        CacheConfig.load(num_cpu_blocks=0, num_gpu_blocks=1000)
+        CacheConfig.load(num_cpu_blocks=0, num_gpu_blocks=1000, storage_backend=None)
     with pytest.raises(ValueError, match="for 2 rank"):
         CacheConfig.load(num_cpu_blocks=300, num_gpu_blocks=16, tp_size=2)
     assert CacheConfig.load(num_cpu_blocks=300, num_gpu_blocks=16).num_cpu_blocks == 300
@@ -263,7 +275,8 @@ def test_every_field_can_be_set_from_env(monkeypatch):
 
 # ----------------------------------------------------------------- layout
 def layout_of(**kw):
-    base = dict(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32")
+    base = dict(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32",
+                storage_backend=None)
     return CacheConfig.load(**{**base, **kw}).layout
 
 

@@ -159,7 +159,7 @@ def test_worker_that_cannot_restart_leaves_gpu_only_serving(workers_manager):
     mgr.check_invariants()
     assert not mgr.cpu_enabled and mgr.cpu_pool.num_used == 0
     for i in range(3):  # keeps serving by dropping GPU blocks
-        a = mgr.allocate(f"g{i}", toks(10 + i, 20 + i, tail=1))
+        mgr.allocate(f"g{i}", toks(10 + i, 20 + i, tail=1))
         mgr.commit(f"g{i}", toks(10 + i, 20 + i, tail=1), 9)
         mgr.free(f"g{i}")
     with pytest.raises(NoFreeBlocks):
@@ -212,7 +212,7 @@ def test_mismatched_layout_is_refused_at_handshake(tmp_path):
     mgr = CacheManager(cfg)
     other = tmp_path / "other.toml"
     other.write_text("num_layers = 1\nnum_kv_heads = 1\nhead_dim = 8\nblock_size = 4\n"
-                     "num_gpu_blocks = 8\nnum_cpu_blocks = 0\n")
+                     "num_gpu_blocks = 8\nnum_cpu_blocks = 0\nstorage_backend = \"none\"\n")
     worker = subprocess.Popen([sys.executable, "-m", "kvcached", "worker", "--rank", "0",
                                "--run-dir", str(run_dir), "--config", str(other)])
     try:

@@ -108,11 +108,20 @@ class Engine:
         self._owns_planes = owns_planes
 
     @classmethod
-    def create(cls, cfg: CacheConfig, model_cfg: ModelConfig | None = None) -> Engine:
+    def create(cls, cfg: CacheConfig, model_cfg: ModelConfig | None = None,
+               transfer=None) -> Engine:
         """Build the planes (or attach to kvcached's, with ``create_cache``), start
-        the manager and build the model that matches ``cfg``'s layout."""
+        the manager and build the model that matches ``cfg``'s layout.
+
+        ``transfer``: an optional factory ``(cfg, run_dir) -> Transfer`` (tests
+        inject failures with it; it needs ``cfg.run_dir`` set); kvcached picks
+        one from ``cfg`` otherwise.
+        """
         model_cfg = model_cfg or ModelConfig.for_cache(cfg)
-        mgr = CacheManager(cfg)
+        if transfer is not None and not cfg.run_dir:
+            raise ValueError("Engine.create(transfer=...) needs cfg.run_dir: the transfer "
+                             "is built before the manager creates a run directory")
+        mgr = CacheManager(cfg, transfer=transfer(cfg, cfg.run_dir) if transfer else None)
         planes: list[list[torch.Tensor]] = []
         try:
             if not cfg.create_cache:  # the model runner owns its KV: export before start

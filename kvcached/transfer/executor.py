@@ -33,6 +33,8 @@ class RankExecutor:
         self.host = None
         self.engine = None
         self.store = None  # BlockStore when a storage backend is configured
+        self._pinned = None  # CUDA registration of the host pool mapping
+        self._event = None  # the engine's IPC event that swap-outs wait on (CUDA)
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
@@ -53,10 +55,26 @@ class RankExecutor:
         offsets = self.cfg.layout.host_offsets
         if self.cfg.device == "cuda":
             from kvcached.copy.cuda import CudaCopyEngine
+            from kvcached.cuda_ipc import pin_host_memory
+            # The shm mapping is this process's: register it (in chunks) here.
+            self._pinned = pin_host_memory(self.host.tensor)
+            self._event = self._open_engine_event()
             return CudaCopyEngine(self.planes, self.host.tensor, offsets)
         from kvcached.copy.cpu import CpuCopyEngine
         return CpuCopyEngine(self.planes, self.host.tensor, offsets,
                              threads=self.cfg.copy_threads)
+
+    def _open_engine_event(self):
+        """The engine's interprocess compute-stream event, if it exported one."""
+        from kvcached.copy.cuda import open_ipc_event
+        from kvcached.kvshare import read_descriptor
+        handle = read_descriptor(self.run_dir, self.rank).get("event_ipc_handle")
+        return open_ipc_event(bytes.fromhex(handle)) if handle else None
+
+    def _swap_out(self, device_ids, host_ids) -> int:
+        if self._event is not None:  # order after the engine's writes (CUDA only)
+            return self.engine.swap_out(device_ids, host_ids, wait_event=self._event)
+        return self.engine.swap_out(device_ids, host_ids)
 
     def run(self, task: Task) -> dict[str, Any]:
         """Execute one task on this rank; returns {"bytes": n, ...}."""
@@ -66,7 +84,7 @@ class RankExecutor:
         if self.engine is None:
             raise RuntimeError(f"rank {self.rank}: no host pool (num_cpu_blocks=0, or asleep)")
         if task.kind == "swap_out":
-            out = {"bytes": self.engine.swap_out(task.src, task.dst)}
+            out = {"bytes": self._swap_out(task.src, task.dst)}
         elif task.kind == "swap_in":
             out = {"bytes": self.engine.swap_in(task.src, task.dst)}
         elif task.kind in ("store", "load", "lookup"):
@@ -90,7 +108,7 @@ class RankExecutor:
     def _store(self, task: Task, hashes: list[bytes]) -> dict[str, Any]:
         """Write-through: optionally stage GPU blocks into the host blocks first."""
         device_ids = task.args.get("device_ids")
-        nbytes = self.engine.swap_out(device_ids, task.src) if device_ids else 0
+        nbytes = self._swap_out(device_ids, task.src) if device_ids else 0
         ok = self.store.store(hashes, self.host.tensor, task.src)
         return {"bytes": nbytes, "stored": [int(x) for x in ok]}
 
@@ -120,7 +138,13 @@ class RankExecutor:
             if final:
                 self.store.close()
                 self.store = None
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
         self.engine = None
+        if self._pinned is not None:
+            from kvcached.cuda_ipc import unpin
+            unpin(self._pinned)
+            self._pinned = None
         if self.host is not None:
             self.host.close()
             self.host = None

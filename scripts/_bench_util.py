@@ -1,0 +1,82 @@
+"""Small helpers shared by the benchmark scripts (not part of the package).
+
+Each benchmark prints human progress on stderr and ends with one JSON line on
+stdout, so ``tail -1`` of its output is machine-readable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+
+def percentile(samples, q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; 0.0 for no samples."""
+    if not len(samples):
+        return 0.0
+    s = sorted(samples)
+    return float(s[min(len(s) - 1, int(q * len(s)))])
+
+
+def log(msg: str) -> None:
+    """Progress for humans, on stderr so that stdout stays one JSON line."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Rate-limited progress lines for long loops."""
+
+    def __init__(self, what: str, total: int, every_s: float = 5.0):
+        self.what, self.total, self.every_s = what, total, every_s
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, done: int, *_ignored) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            log(f"{self.what}: {done}/{self.total} ({done / (now - self.t0):.0f}/s)")
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` by path (scripts/ is not a package)."""
+    path = ROOT / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_kvc_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while it executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextmanager
+def short_tmp_dir(prefix: str):
+    """A temp dir under /tmp: ipc:// socket paths must stay under ~100 characters."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def rounded(obj, digits: int = 3):
+    """Round floats inside nested dicts/lists for a readable JSON line."""
+    if isinstance(obj, dict):
+        return {k: rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [rounded(v, digits) for v in obj]
+    return round(obj, digits) if isinstance(obj, float) else obj
+
+
+def emit(result: dict) -> None:
+    """The final machine-readable line."""
+    print(json.dumps(rounded(result)), flush=True)

@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Benchmark the transfer path: CPU swap bandwidth and end-to-end task latency.
+
+In one run:
+
+(a) CPU swap bandwidth, all planes of the default layout, for 1, 16 and 256
+    blocks next to a plain memcpy of the same bytes (``scripts/bench_copy_cpu.py``'s
+    ``run()``, the real ``CpuCopyEngine``). Target: at 256 blocks >= 0.9x memcpy.
+(b) Task latency: a 1-block ``swap_out`` submitted through a real
+    ``CacheManager(transfer_mode="workers")`` (``transfer.submit(Task(...))`` then
+    ``handle.wait()``) for TP = 1, 2 and 4 worker processes, p50/p99; next to
+    the raw ZeroMQ barrier round trip between the same kind of processes: a
+    ROUTER sends the same bytes to N echo processes (DEALER, identity
+    ``rank-<r>``) and waits for all N replies. Target: p50 at TP=4 <= 2x the raw
+    barrier round trip. The layout is tiny (64 bytes per block) so the copy
+    itself is negligible and the comparison is about the task machinery.
+
+    python scripts/bench_transfer.py [--quick]
+
+Progress goes to stderr; the last line on stdout is JSON ``{"bench": "transfer", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+from _bench_util import emit, load_script, log, percentile, short_tmp_dir
+
+TP_SIZES = (1, 2, 4)
+TARGET_COPY_RATIO = 0.9
+TARGET_LATENCY_RATIO = 2.0
+TINY = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32",
+            num_gpu_blocks=64, num_cpu_blocks=64, transfer_mode="workers",
+            create_cache=True, storage_backend=None, worker_start_timeout_s=120.0,
+            metrics_port=0)
+
+
+# ---------------------------------------------------------------- (a) copy
+def bench_copy(quick: bool) -> dict:
+    """The copy benchmark's own result, trimmed to what this report needs."""
+    log("CPU swap bandwidth (bench_copy_cpu.run)")
+    res = load_script("bench_copy_cpu").run(quick=quick)
+    rows = {}
+    for n, row in res["results"].items():
+        rows[n] = {"memcpy_gbps": row.get("memcpy_1t_gbps", row["memcpy_gbps"]),
+                   **{name: v for name, v in row.items() if name in ("native", "torch")}}
+    return {"planes": res["planes"], "plane_bytes": res["plane_bytes"], "blocks": rows,
+            "ratio_native_memcpy_256": res["ratio_native_memcpy_256"],
+            "target_ratio": TARGET_COPY_RATIO, "meets_target": res["meets_target"]}
+
+
+# ------------------------------------------------------------ (b) latency
+def task_payload() -> bytes:
+    """The bytes of a 1-block swap_out task on the wire: the raw test sends the same."""
+    from kvcached.transfer import protocol as P
+    return P.Task(1, "swap_out", [0], [0]).encode()
+
+
+def worker_latency(tp: int, iters: int, warmup: int) -> dict:
+    """p50/p99 microseconds of submit -> wait for a 1-block swap_out (and a noop)."""
+    from kvcached import CacheConfig
+    from kvcached.manager import CacheManager
+    from kvcached.transfer.base import Task
+    with short_tmp_dir("kvbt-") as d:
+        cfg = CacheConfig.load(**TINY, tp_size=tp, run_dir=str(d / "run"))
+        t0 = time.perf_counter()
+        with CacheManager(cfg) as mgr:
+            log(f"TP={tp}: {tp} workers ready in {time.perf_counter() - t0:.1f}s")
+            out = {kind: _time_tasks(mgr.transfer, Task, kind, iters, warmup)
+                   for kind in ("swap_out", "noop")}
+    return {"p50_us": out["swap_out"][0], "p99_us": out["swap_out"][1],
+            "noop_p50_us": out["noop"][0], "noop_p99_us": out["noop"][1]}
+
+
+def _time_tasks(transfer, Task, kind: str, iters: int, warmup: int) -> tuple[float, float]:
+    samples = []
+    clock = time.perf_counter
+    for i in range(warmup + iters):
+        ids = [i % 64] if kind == "swap_out" else []
+        t0 = clock()
+        h = transfer.submit(Task(kind, ids, list(ids)))
+        if not h.wait(30):
+            raise TimeoutError(f"{kind} task {h.task.task_id} did not finish within 30s")
+        dt = clock() - t0
+        if not h.result.ok:
+            raise RuntimeError(f"{kind} task failed: {h.result.error}")
+        if i >= warmup:
+            samples.append(dt * 1e6)
+        transfer.completed.clear()  # nobody reaps: keep the queue from growing
+    return percentile(samples, 0.5), percentile(samples, 0.99)
+
+
+def raw_barrier(n: int, iters: int, warmup: int, payload: bytes) -> dict:
+    """p50/p99 microseconds of one frame to each of ``n`` echo processes and back."""
+    with short_tmp_dir("kvbe-") as d:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
+        endpoint = f"ipc://{d / 'echo.sock'}"
+        router.bind(endpoint)
+        idents = [f"rank-{r}".encode() for r in range(n)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--echo", endpoint, "--rank",
+                                   str(r)]) for r in range(n)]
+        try:
+            _wait_connected(router, idents)
+            samples = []
+            clock = time.perf_counter
+            for i in range(warmup + iters):
+                t0 = clock()
+                for ident in idents:
+                    router.send_multipart([ident, payload])
+                for _ in idents:
+                    router.recv_multipart()
+                if i >= warmup:
+                    samples.append((clock() - t0) * 1e6)
+            for ident in idents:
+                router.send_multipart([ident, b"stop"])
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            router.close()
+            ctx.term()
+    return {"p50_us": percentile(samples, 0.5), "p99_us": percentile(samples, 0.99)}
+
+
+def _wait_connected(router: zmq.Socket, idents: list[bytes], timeout_s: float = 60.0) -> None:
+    """Ping each echo process until it answers (their startup is not part of the timing)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = set(idents)
+    while waiting:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"echo processes {sorted(waiting)} did not connect")
+        for ident in list(waiting):
+            try:
+                router.send_multipart([ident, b"ping"])
+            except zmq.ZMQError:  # EHOSTUNREACH: not connected yet
+                continue
+        while router.poll(100):
+            waiting.discard(router.recv_multipart()[0])
+    while router.poll(200):  # late duplicate pongs
+        router.recv_multipart()
+
+
+def echo_main(endpoint: str, rank: int) -> None:
+    """Child process of the raw test: echo every frame until told to stop."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    while True:
+        frame = sock.recv()
+        if frame == b"stop":
+            break
+        sock.send(frame)
+    sock.close()
+    ctx.term()
+
+
+def bench_latency(quick: bool) -> dict:
+    iters, warmup = (300, 30) if quick else (2000, 100)
+    payload = task_payload()
+    tasks, raw = {}, {}
+    for tp in TP_SIZES:
+        raw[str(tp)] = raw_barrier(tp, iters, warmup, payload)
+        tasks[str(tp)] = worker_latency(tp, iters, warmup)
+        log(f"TP={tp}: task p50 {tasks[str(tp)]['p50_us']:.0f} us, raw barrier p50 "
+            f"{raw[str(tp)]['p50_us']:.0f} us")
+    top = str(TP_SIZES[-1])
+    ratio = tasks[top]["p50_us"] / raw[top]["p50_us"]
+    return {"iters": iters, "payload_bytes": len(payload), "task_swap_out_1_block": tasks,
+            "raw_zmq_barrier": raw, f"ratio_p50_tp{top}_vs_raw": ratio,
+            "target_ratio": TARGET_LATENCY_RATIO, "meets_target": ratio <= TARGET_LATENCY_RATIO}
+
+
+# ------------------------------------------------------------------- main
+def main() -> None:
+    """Command line: (a) then (b), then the JSON line."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter runs")
+    ap.add_argument("--echo", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.echo:
+        echo_main(args.echo, args.rank)
+        return
+    t0 = time.perf_counter()
+    copy = bench_copy(args.quick)
+    latency = bench_latency(args.quick)
+    emit({"bench": "transfer", "quick": args.quick, "cpu_copy": copy, "latency": latency,
+          "total_s": time.perf_counter() - t0})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

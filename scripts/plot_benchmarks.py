@@ -1,0 +1,190 @@
+"""Draw PNG charts from the JSON lines that kvcached's benchmarks print.
+
+    python scripts/plot_benchmarks.py RESULTS.jsonl [MORE.jsonl ...] [--out DIR]
+
+Every line of the given files that parses as a JSON object with a ``bench``
+key is used; other lines (tables, progress) are skipped, so the benchmarks'
+whole output can be saved and passed as is. Charts, one per kind found:
+
+- ``copy_cpu.png``: CPU copy engine bandwidth vs blocks per task
+  (``scripts/bench_copy_cpu.py``), next to memcpy;
+- ``cuda_count.png`` / ``cuda_block_size.png``: CUDA copy bandwidth vs block
+  count per block size, and vs block size at the largest count
+  (``scripts/bench_cuda.py``);
+- ``trace_hit_rate.png``: hit rate (total and per tier) vs GPU tier capacity
+  (``kvcached bench trace``, one line per capacity).
+
+matplotlib is optional: without it the script says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+# ------------------------------------------------------------------ input
+def read_results(paths: list[str]) -> dict[str, list[dict]]:
+    """Benchmark results by kind (``bench`` value), in file order."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a progress line that happens to start with "{"
+            if isinstance(obj, dict) and "bench" in obj and not obj.get("skipped"):
+                out[obj["bench"]].append(obj)
+    return dict(out)
+
+
+def copy_cpu_series(res: dict) -> tuple[list[int], dict[str, list[float]]]:
+    """x = blocks per task; one series per engine and direction, plus memcpy."""
+    counts = sorted(int(n) for n in res["results"])
+    series: dict[str, list[float]] = defaultdict(list)
+    for n in counts:
+        row = res["results"][str(n)]
+        series["memcpy"].append(row["memcpy_gbps"])
+        if "memcpy_1t_gbps" in row:
+            series["memcpy 1 thread"].append(row["memcpy_1t_gbps"])
+        for name, v in row.items():
+            if isinstance(v, dict):
+                series[f"{name} swap_out"].append(v["swap_out_gbps"])
+                series[f"{name} swap_in"].append(v["swap_in_gbps"])
+    return counts, dict(series)
+
+
+def cuda_by_block(rows: list[dict], key: str) -> dict[int, tuple[list[int], list[float]]]:
+    """block_bytes -> (counts, GB/s of ``key``), e.g. ``kernel_h2d_gbps``."""
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for r in sorted(rows, key=lambda r: (r["block_bytes"], r["count"])):
+        if key in r:
+            xs, ys = out.setdefault(r["block_bytes"], ([], []))
+            xs.append(r["count"])
+            ys.append(r[key])
+    return out
+
+
+def trace_series(results: list[dict]) -> dict[tuple, list[dict]]:
+    """Replays grouped by everything but the GPU capacity, sorted by capacity."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        key = (Path(r["trace"]).name, r["block_size"], r["num_cpu_blocks"],
+               r.get("storage_backend"))
+        groups[key].append(r)
+    return {k: sorted(v, key=lambda r: r["num_gpu_blocks"]) for k, v in groups.items()}
+
+
+# ------------------------------------------------------------------ draw
+def plot_copy_cpu(plt, results: list[dict], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    res = results[-1]
+    counts, series = copy_cpu_series(res)
+    for name, ys in series.items():
+        ax.plot(counts, ys, marker="o", label=name,
+                linestyle="--" if name.startswith("memcpy") else "-")
+    ax.set(xscale="log", xlabel="blocks per task", ylabel="GB/s",
+           title=f"CPU copy engine ({res.get('planes')} planes x "
+                 f"{res.get('plane_bytes', 0) // 1024} KiB per block)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "copy_cpu.png")
+
+
+def plot_cuda(plt, results: list[dict], out: Path) -> list[Path]:
+    rows = results[-1]["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, d in zip(axes, ("d2h", "h2d")):
+        for block, (xs, ys) in cuda_by_block(rows, f"kernel_{d}_gbps").items():
+            ax.plot(xs, ys, marker="o", label=f"kernel, {_kib(block)}")
+        ax.set(xscale="log", xlabel="blocks per task", title=f"CUDA kernel {d}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    paths = [_save(fig, out / "cuda_count.png")]
+    top = max(r["count"] for r in rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for eng in ("kernel", "direct", "batch", "contiguous"):
+        for d in ("d2h", "h2d"):
+            pts = sorted((r["block_bytes"], r[f"{eng}_{d}_gbps"]) for r in rows
+                         if r["count"] == top and f"{eng}_{d}_gbps" in r)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=f"{eng} {d}")
+    ax.set(xscale="log", xlabel="bytes per block and plane", ylabel="GB/s",
+           title=f"CUDA copy bandwidth at {top} blocks per task")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out / "cuda_block_size.png"))
+    return paths
+
+
+def plot_trace(plt, results: list[dict], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, bs, cpu, storage), rs in trace_series(results).items():
+        xs = [r["num_gpu_blocks"] * r["block_size"] for r in rs]
+        label = f"{name}, block {bs}, CPU {cpu}" + (f", {storage}" if storage else "")
+        line, = ax.plot(xs, [r["hit_rate"] for r in rs], marker="o", label=f"{label}: total")
+        for tier, style in (("gpu", ":"), ("cpu", "-."), ("storage", "--")):
+            ys = [r[f"hit_rate_{tier}"] for r in rs]
+            if any(ys) and (tier != "gpu" or cpu or storage):
+                ax.plot(xs, ys, linestyle=style, color=line.get_color(), label=f"  {tier}")
+        ax.axhline(rs[-1]["ideal_hit_rate"], color=line.get_color(), alpha=0.3)
+    ax.set(xscale="log", xlabel="GPU tier capacity (tokens)", ylabel="prompt tokens served",
+           ylim=(0, 1), title="Trace replay: hit rate vs capacity (faint line: unbounded)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out / "trace_hit_rate.png")
+
+
+def _kib(n: int) -> str:
+    return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    """Read the result files, draw what they hold; exit 0 without matplotlib."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", help="files of JSON lines printed by the benchmarks")
+    ap.add_argument("--out", type=Path, default=Path("bench-plots"), help="output folder")
+    args = ap.parse_args(argv)
+    results = read_results(args.files)
+    found = ", ".join(f"{len(v)} {k}" for k, v in results.items()) or "no results"
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed, so no charts were drawn ({found} found). "
+              "Install it with: pip install matplotlib", file=sys.stderr)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    drawn: list[Path] = []
+    if "copy_cpu" in results:
+        drawn.append(plot_copy_cpu(plt, results["copy_cpu"], args.out))
+    if "cuda" in results:
+        drawn.extend(plot_cuda(plt, results["cuda"], args.out))
+    if "trace" in results:
+        drawn.append(plot_trace(plt, results["trace"], args.out))
+    for p in drawn:
+        print(p)
+    if not drawn:
+        print(f"nothing to draw ({found}); expected copy_cpu, cuda or trace results",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Hostile input to a transfer worker and to the coordinator, over real processes and sockets.
+
+The worker test plays coordinator itself: it creates the run directory, the KV
+planes and the host pool as the manager does, binds the ROUTER, handshakes
+with a real ``kvcached worker`` process and then feeds it bad frames. Every bad
+frame must be answered (an ErrorReply, or a failed Done when its task id could
+be read), the worker must keep serving, and not one byte of shared memory may
+change. The coordinator test does the same against a running CacheManager from
+sockets that are not its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from conftest import tiny_config, toks
+
+from kvcached import shm
+from kvcached.hostpool import HostPool
+from kvcached.kvshare import allocate_kv_cache, release_kv_cache
+from kvcached.manager import CacheManager
+from kvcached.transfer import protocol as P
+from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint
+
+NUM_GPU, NUM_CPU = 8, 4
+# The worker must not give up on us while we think: the engine timeout is long.
+WORKER_CFG = dict(transfer_mode="workers", num_gpu_blocks=NUM_GPU, num_cpu_blocks=NUM_CPU,
+                  num_layers=2, heartbeat_interval_s=0.2, worker_timeout_s=3.0,
+                  engine_timeout_s=60.0, task_timeout_s=10.0)
+REPLY_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 60.0  # a cold worker imports torch
+
+
+@pytest.fixture
+def short_dir():
+    """ipc:// paths must stay under ~100 chars: pytest's tmp_path can be longer."""
+    d = Path(tempfile.mkdtemp(prefix="kvm-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def worker_cmd(run_dir: Path, engine_pid: int) -> list[str]:
+    return [sys.executable, "-m", "kvcached", "worker", "--rank", "0", "--run-dir",
+            str(run_dir), "--engine-pid", str(engine_pid)]
+
+
+def recv_reply(sock: zmq.Socket, timeout: float = REPLY_TIMEOUT_S, router: bool = True):
+    """The next non-heartbeat message (decoded), or None after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(int(left * 1000)):
+            break
+        frames = sock.recv_multipart()
+        msg = P.decode(frames[-1])
+        if router:
+            assert frames[0] == b"rank-0", frames[0]
+        if not isinstance(msg, P.Heartbeat):
+            return msg
+    return None
+
+
+def wire(kind: str, **fields) -> bytes:
+    return msgpack.packb({"v": 1, "kind": kind, **fields}, use_bin_type=True)
+
+
+def task(task_id, task_kind, src=(), dst=(), args=None, **extra) -> bytes:
+    return wire("task", task_id=task_id, task_kind=task_kind, src=list(src), dst=list(dst),
+                args=args or {}, **extra)
+
+
+def deep(n: int):
+    value: object = 1
+    for _ in range(n):
+        value = [value]
+    return value
+
+
+# (name, frame, task id of the failed Done it may get instead of an ErrorReply)
+BAD_FRAMES = [
+    ("random bytes", np.random.default_rng(0).bytes(256), None),
+    ("empty frame", b"", None),
+    ("msgpack array", msgpack.packb([1, 2, 3]), None),
+    ("msgpack string", msgpack.packb("task"), None),
+    ("trailing bytes", wire("shutdown", reason="x") + b"\x00", None),
+    ("no version", msgpack.packb({"kind": "shutdown", "reason": ""}), None),
+    ("wrong version", msgpack.packb({"v": 99, "kind": "shutdown", "reason": ""}), None),
+    ("no kind", msgpack.packb({"v": 1}), None),
+    ("unknown kind", wire("teleport", task_id=1), None),
+    ("kind not a str", msgpack.packb({"v": 1, "kind": 7}), None),
+    ("int map keys", msgpack.packb({1: 1, 2: 2}), None),
+    ("oversize frame", b"\x91" + b"\x00" * (9 << 20), None),
+    ("too many ids", task(30, "swap_out", range(70000), range(70000)), 30),
+    ("huge declared array", b"\xdd\xff\xff\xff\xff", None),
+    ("task_id not an int", task("thirty-one", "noop"), None),
+    ("unknown task kind", task(32, "teleport"), 32),
+    ("src not a list", wire("task", task_id=33, task_kind="swap_out", src="abc", dst=[0],
+                            args={}), 33),
+    ("bool block id", task(34, "swap_out", [True], [0]), 34),
+    ("float block id", task(35, "swap_out", [1.0], [0]), 35),
+    ("negative block id", task(36, "swap_out", [-1], [0]), 36),
+    ("id beyond int64", task(37, "swap_in", [0], [2**64 - 1]), 37),
+    ("missing field", wire("task", task_id=38, task_kind="noop", src=[], dst=[]), 38),
+    ("unknown field", task(39, "noop", extra_field=1), 39),
+    ("args not a map", wire("task", task_id=40, task_kind="noop", src=[], dst=[], args=[1]),
+     40),
+    ("args nested too deep", task(41, "noop", args={"x": deep(6)}), 41),
+    ("device id == num_gpu_blocks", task(42, "swap_out", [NUM_GPU], [0]), 42),
+    ("host id == num_cpu_blocks", task(43, "swap_out", [0], [NUM_CPU]), 43),
+    ("host src out of range", task(44, "swap_in", [NUM_CPU + 5], [0]), 44),
+    ("device dst out of range", task(45, "swap_in", [0], [2**40]), 45),
+    ("length mismatch", task(46, "swap_out", [0, 1], [0]), 46),
+    ("duplicate host destinations", task(47, "swap_out", [0, 1], [2, 2]), 47),
+    ("duplicate device destinations", task(48, "swap_in", [0, 1], [3, 3]), 48),
+    ("unknown control op", task(49, "control", args={"op": "self_destruct"}), 49),
+    ("control op not a str", task(50, "control", args={"op": ["pause"]}), 50),
+    ("store without keys", task(51, "store", [0]), 51),
+    ("heartbeat wrong types", wire("heartbeat", sender=1, seq="x", time=0.0, info={}), None),
+]
+
+
+def test_bad_frame_table_is_what_it_says():
+    """The table's frames really are malformed (a typo would test nothing)."""
+    limits = P.Limits(num_device_blocks=NUM_GPU, num_host_blocks=NUM_CPU)
+    for name, frame, _ in BAD_FRAMES:
+        if name.startswith("duplicate"):
+            P.decode(frame, limits)  # valid on the wire: the copy engine refuses it
+            continue
+        with pytest.raises(P.ProtocolError):
+            P.decode(frame, limits)
+
+
+class FakeCoordinator:
+    """The engine side of one worker: shared memory, the ROUTER, the handshake."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.cfg = tiny_config(**WORKER_CFG, run_dir=str(run_dir))
+        (run_dir / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict()))
+        layout = self.cfg.layout
+        self.planes = allocate_kv_cache(layout, NUM_GPU, 0, run_dir)
+        self.pool = HostPool.create(run_dir, 0, NUM_CPU, layout.block_bytes)
+        gen = torch.Generator().manual_seed(1)
+        for p in self.planes:  # recognisable bytes everywhere, so any write shows
+            p.view(torch.uint8).copy_(torch.randint(0, 256, p.view(torch.uint8).shape,
+                                                    generator=gen, dtype=torch.uint8))
+        self.pool.tensor.copy_(torch.randint(0, 256, self.pool.tensor.shape, generator=gen,
+                                             dtype=torch.uint8))
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(coordinator_endpoint(self.cfg, run_dir))
+        self.proc: subprocess.Popen | None = None
+
+    def start_worker(self) -> None:
+        self.proc = subprocess.Popen(worker_cmd(self.run_dir, os.getpid()),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        hello = recv_reply(self.router, START_TIMEOUT_S)
+        assert isinstance(hello, P.Hello), f"expected hello, got {hello!r}"
+        assert hello.layout_digest == self.cfg.layout.digest and hello.pid == self.proc.pid
+        self.send(P.Ready().encode())
+
+    def send(self, frame: bytes) -> None:
+        self.router.send_multipart([b"rank-0", frame])
+
+    def request(self, frame: bytes):
+        self.send(frame)
+        return recv_reply(self.router)
+
+    def segments(self) -> dict[str, bytes]:
+        """Every byte of this run's shared memory files (planes with padding, host pool)."""
+        pattern = f"{shm.PREFIX}{os.getpid()}-{shm.run_id(self.run_dir)}-*"
+        return {p.name: p.read_bytes() for p in sorted(shm.shm_dir().glob(pattern))}
+
+    def close(self) -> None:
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.send(P.Shutdown("test done").encode())
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        finally:
+            if self.proc is not None and self.proc.stderr:
+                self.proc.stderr.close()
+            self.router.close()
+            self.ctx.term()
+            self.pool.remove()
+            self.planes = None
+            release_kv_cache(self.run_dir, 0)
+
+
+@pytest.fixture
+def coordinator(short_dir):
+    fake = FakeCoordinator(short_dir)
+    try:
+        yield fake
+    finally:
+        fake.close()
+    assert not list(shm.shm_dir().glob(f"{shm.PREFIX}{os.getpid()}-{shm.run_id(short_dir)}-*"))
+
+
+def test_worker_answers_every_bad_frame_and_keeps_serving(coordinator):
+    c = coordinator
+    c.start_worker()
+    done = c.request(P.Task(1, "noop").encode())
+    assert isinstance(done, P.Done) and done.ok and done.task_id == 1
+    before = c.segments()
+    assert len(before) == 2  # the KV planes' segment and the host pool
+
+    for name, frame, task_id in BAD_FRAMES:
+        reply = c.request(frame)
+        if isinstance(reply, P.Done):
+            assert task_id is not None and reply.task_id == task_id, (name, reply)
+            assert not reply.ok and reply.error, (name, reply)
+        else:
+            assert isinstance(reply, P.ErrorReply), (name, reply)
+            assert reply.error and reply.detail, (name, reply)
+        assert c.proc.poll() is None, f"worker died on {name!r}"
+    # Failed tasks whose id could be read are answered as such: nobody waits on them.
+    dup = c.request(task(60, "swap_out", [0, 1], [1, 1]))
+    assert isinstance(dup, P.Done) and not dup.ok and "host" in dup.error
+
+    assert c.segments() == before, "a rejected frame changed shared memory"
+    done = c.request(P.Task(61, "noop").encode())
+    assert isinstance(done, P.Done) and done.ok
+    # A valid swap still moves exactly the bytes it names.
+    done = c.request(P.Task(62, "swap_out", [3], [1]).encode())
+    assert isinstance(done, P.Done) and done.ok, done
+    offsets, host = c.cfg.layout.host_offsets, c.pool.tensor
+    for p, off in zip(c.planes, offsets):
+        nb = p[3].numel() * p.element_size()
+        assert torch.equal(host[1, off:off + nb], p[3].contiguous().view(torch.uint8).flatten())
+    after = c.segments()
+    changed = [k for k in before if before[k] != after[k]]
+    assert changed == [c.pool.name]
+
+
+def test_worker_without_engine_exits_by_itself(short_dir):
+    cfg = tiny_config(**WORKER_CFG, run_dir=str(short_dir))
+    (short_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    t0 = time.monotonic()
+    proc = subprocess.Popen(worker_cmd(short_dir, gone.pid), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.wait(timeout=START_TIMEOUT_S) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    # Its first loop iteration notices the dead engine: startup cost only.
+    assert time.monotonic() - t0 < 30
+    log = (short_dir / "logs" / "worker-rank0.log").read_text()
+    assert f"engine pid {gone.pid} is gone" in log
+
+
+# ------------------------------------------------------------- coordinator
+COORD_GARBAGE = [
+    np.random.default_rng(1).bytes(100),
+    b"",
+    msgpack.packb({"v": 1, "kind": "teleport"}),
+    P.Hello(rank=9, pid=1, protocol=P.PROTOCOL_VERSION, layout_digest="x",
+            num_device_blocks=1, num_host_blocks=1).encode(),
+    P.Done(1, 9, ok=True).encode(),
+]
+
+
+def test_coordinator_rejects_strangers_and_keeps_serving(short_dir):
+    cfg = tiny_config(transfer_mode="workers", tp_size=1, num_gpu_blocks=8, num_cpu_blocks=8,
+                      heartbeat_interval_s=0.2, worker_timeout_s=3.0, engine_timeout_s=10.0,
+                      worker_start_timeout_s=START_TIMEOUT_S, run_dir=str(short_dir / "run"))
+    ctx = zmq.Context()
+    socks = []
+    with CacheManager(cfg) as mgr:
+        worker_pid = mgr.stats().workers[0]["pid"]
+        endpoint = coordinator_endpoint(cfg, mgr.run_dir)
+        try:
+            # rank-9 is out of range; b"" gets a ROUTER-made identity. Never rank-0:
+            # that would take over the real worker's connection.
+            for ident in (b"rank-9", b"", b"rank-x", b"rank--1", b"worker"):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                if ident:
+                    sock.setsockopt(zmq.IDENTITY, ident)
+                sock.connect(endpoint)
+                socks.append(sock)
+                for frame in COORD_GARBAGE:
+                    sock.send(frame)
+                    reply = recv_reply(sock, router=False)
+                    assert isinstance(reply, P.ErrorReply), (ident, frame[:20], reply)
+                sock.send_multipart([b"two", b"frames"])
+                assert isinstance(recv_reply(sock, router=False), P.ErrorReply)
+        finally:
+            for sock in socks:
+                sock.close()
+            ctx.term()
+
+        # The real worker is untouched and the manager serves, swaps included.
+        serve(mgr, "a", toks(1, 2, 3, tail=1))
+        serve(mgr, "b", toks(4, 5, 6, 7, 8, 9, tail=1))  # pushes "1".."3" to the CPU
+        a = serve(mgr, "c", toks(1, 2, 3, tail=1))
+        assert a.hit.cpu_tokens > 0 and a.num_cached_tokens == 12
+        st = mgr.stats()
+        assert st.transfers["swap_out"]["done"] >= 1 and st.transfers["swap_in"]["done"] == 1
+        assert [(w["state"], w["pid"], w["restarts"]) for w in st.workers] == [
+            ("ready", worker_pid, 0)]
+        mgr.check_invariants()
+
+
+def serve(mgr, rid, tokens):
+    a = mgr.allocate(rid, tokens)
+    a.wait(timeout=REPLY_TIMEOUT_S)
+    mgr.commit(rid, tokens, len(tokens))
+    mgr.free(rid)
+    return a
