@@ -460,6 +460,35 @@ class CacheManager(EvictionMixin, FetchMixin):
             logger.info("weights updated to version %s: new cache namespace", version)
             return {"changed": True, "version": version, "ranks": res.get("ranks", {})}
 
+    def attach_storage(self, backend: str, url: str = "") -> dict:
+        """Attach a storage backend at run time (every rank opens it)."""
+        with self._lock:
+            cfg = self.cfg.replace(storage_backend=backend, storage_url=url)  # validates
+            if (cfg.storage_backend, cfg.storage_url) == (self.cfg.storage_backend,
+                                                          self.cfg.storage_url):
+                return {"changed": False, "backend": backend}
+            self._wait_background(self.cfg.task_timeout_s + 5.0)
+            res = self._control("attach_storage", backend=backend, url=url)
+            self.cfg = cfg
+            return {"changed": True, "backend": backend, "ranks": res.get("ranks", {})}
+
+    def detach_storage(self) -> dict:
+        """Detach the storage backend: ranks close it, the tree forgets what it held."""
+        with self._lock:
+            if not self.cfg.storage_backend:
+                return {"changed": False}
+            self._wait_background(self.cfg.task_timeout_s + 5.0)
+            res = self._control("detach_storage")
+            self.cfg = self.cfg.replace(storage_backend=None)
+            self._forget_storage()
+            return {"changed": True, "ranks": res.get("ranks", {})}
+
+    def _forget_storage(self) -> None:
+        for n in sorted(self.tree.walk(), key=lambda n: -n.depth):
+            n.in_storage = False
+            if n.state is Tier.STORAGE and not n.children:
+                self.tree.remove(n)
+
     def _wait_background(self, timeout_s: float) -> bool:
         """Wait for every task in flight and apply it; False if there was none."""
         handles = [ctx[3] for ctx in self._pending.values()]

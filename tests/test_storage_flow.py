@@ -40,7 +40,7 @@ def compute_and_store(cfg, prompt=PROMPT) -> dict:
                     plane[b].fill_(pattern(r, i, p))
         mgr.commit("first", prompt, len(prompt))
         mgr.free("first")
-        return mgr.stats().storage  # close() waits for the write-through
+    return mgr.stats().storage  # close() waited for the write-through
 
 
 def check_bytes(mgr, a, n_blocks: int, tp: int = 1) -> None:
@@ -181,3 +181,43 @@ def test_load_failing_on_a_rank_rolls_back(tmp_path, monkeypatch):
         mgr.free("again")
         mgr.check_invariants()
         assert torch.is_tensor(attach_kv_cache(mgr.run_dir, 0)[0])
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "workers"])
+def test_attach_and_detach_storage_at_run_time(tmp_path, mode):
+    compute_and_store(storage_cfg(tmp_path, "a"))
+    cfg = storage_cfg(tmp_path, "b", storage_backend="none", transfer_mode=mode,
+                      heartbeat_interval_s=0.1)
+    with CacheManager(cfg) as mgr:
+        a = mgr.allocate("before", PROMPT)
+        assert a.num_cached_tokens == 0  # no storage attached yet
+        mgr.free("before")
+        res = mgr.attach_storage("file", str(tmp_path / "store"))
+        assert res["changed"] and not mgr.attach_storage("file", str(tmp_path / "store"))["changed"]
+        a = mgr.allocate("attached", PROMPT)
+        a.wait(timeout=30)
+        assert a.num_cached_tokens == 752
+        mgr.free("attached")
+        assert mgr.detach_storage()["changed"]
+        assert not any(n.in_storage for n in mgr.tree.walk())
+        mgr.check_invariants()
+        with pytest.raises(ValueError, match="storage_backend"):
+            mgr.attach_storage("floppy", "")
+
+
+def test_restart_hits_from_redis(tmp_path):
+    import shutil
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (scripts/install_services.sh installs it)")
+    from conftest_storage import RedisServer
+    srv = RedisServer(tmp_path).start()
+    try:
+        kw = dict(storage_backend="redis", storage_url=srv.url)
+        assert compute_and_store(storage_cfg(tmp_path, "a", **kw))["stored"] == 48
+        with CacheManager(storage_cfg(tmp_path, "b", **kw)) as mgr:
+            a = mgr.allocate("again", PROMPT)
+            a.wait(timeout=30)
+            assert a.num_cached_tokens == 752 and a.hit.storage_tokens == 752
+            check_bytes(mgr, a, 47)
+    finally:
+        srv.stop()

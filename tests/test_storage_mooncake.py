@@ -254,3 +254,20 @@ def netns_test_mooncake_master_down_at_open(tmp_path):
         be.close()
     finally:
         srv.stop()
+
+
+
+def netns_test_manager_restart_hits_from_mooncake(servers, tmp_path):
+    """The restart scenario through CacheManager with worker processes."""
+    from test_storage_flow import PROMPT, check_bytes, compute_and_store, storage_cfg
+
+    from kvcached.manager import CacheManager
+    _ready(_backend(servers.url))
+    kw = dict(storage_backend="mooncake", storage_url=servers.url, transfer_mode="workers",
+              heartbeat_interval_s=0.1, worker_timeout_s=5.0, task_timeout_s=20.0)
+    assert compute_and_store(storage_cfg(tmp_path, "a", **kw))["stored"] == 48
+    with CacheManager(storage_cfg(tmp_path, "b", **kw)) as mgr:
+        a = mgr.allocate("again", PROMPT)
+        a.wait(timeout=30)
+        assert a.num_cached_tokens == 752 and a.hit.storage_tokens == 752
+        check_bytes(mgr, a, 47)

@@ -73,5 +73,19 @@ def _update_weights(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     return {"changed": True, "version": version}
 
 
+def _attach_storage(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    cfg = w.cfg.replace(storage_backend=args.get("backend"), storage_url=args.get("url", ""))
+    changed = w.executor.attach_storage(cfg)
+    w.cfg = cfg
+    return {"changed": changed, "backend": cfg.storage_backend}
+
+
+def _detach_storage(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
+    changed = w.executor.detach_storage()
+    w.cfg = w.cfg.replace(storage_backend=None)
+    return {"changed": changed}
+
+
 _OPS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wakeup": _wakeup,
-        "status": _status, "update_weights": _update_weights}
+        "status": _status, "update_weights": _update_weights,
+        "attach_storage": _attach_storage, "detach_storage": _detach_storage}

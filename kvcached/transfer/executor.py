@@ -127,6 +127,26 @@ class RankExecutor:
         nbytes = self.engine.swap_in(task.dst[:done], device_ids[:done]) if device_ids else 0
         return {"prefix": done, "bytes": nbytes}
 
+    def attach_storage(self, cfg: CacheConfig) -> bool:
+        """Open the storage backend ``cfg`` names (runtime attach); False if no change."""
+        from kvcached.storage.blockstore import BlockStore
+        same = (cfg.storage_backend, cfg.storage_url) == (self.cfg.storage_backend,
+                                                          self.cfg.storage_url)
+        if same and self.store is not None:
+            return False
+        self.detach_storage()
+        self.cfg = cfg
+        self.store = BlockStore.from_config(cfg, self.rank)
+        return True
+
+    def detach_storage(self) -> bool:
+        """Close the backend and release what it holds (registered memory, sockets)."""
+        if self.store is None:
+            return False
+        self.store.close()
+        self.store = None
+        return True
+
     def set_namespace(self, namespace: str) -> None:
         if self.store is not None:
             self.store.set_namespace(namespace)

@@ -58,6 +58,11 @@ class InProcessTransfer(Transfer):
                 ex.close(final=False)
             elif op == "wakeup":
                 ex.open(timeout_s=timeout_s)
+            elif op == "attach_storage":
+                ex.attach_storage(self.cfg.replace(storage_backend=args.get("backend"),
+                                                   storage_url=args.get("url", "")))
+            elif op == "detach_storage":
+                ex.detach_storage()
             elif op == "update_weights":
                 from kvcached.storage.objects import storage_namespace
                 ex.set_namespace(storage_namespace(self.cfg.model_id, args["version"],
