@@ -48,13 +48,24 @@ class FetchMixin:
         """Look the blocks after ``parent`` up in storage and start loading the
         contiguous prefix every rank has; returns the nodes being loaded."""
         want = min(limit - start, len(gpu_ids))
-        if want < max(1, self.cfg.storage_min_load_blocks) or not self._storage_usable():
+        if want <= 0 or not self.cfg.storage_backend:
+            return []
+        # Why a read did not happen is counted: `kvcached status` shows it.
+        skipped = self._counters.storage
+        if not self._storage_usable():
+            skipped["skip_paused_or_no_cpu_tier"] += 1
+            return []
+        if want < self.cfg.storage_min_load_blocks:
+            skipped["skip_below_min_load_blocks"] += 1
             return []
         hashes = req.hashes[start:start + want]
         n = self._lookup(hashes)
         if n < max(1, self.cfg.storage_min_load_blocks):
+            skipped["skip_not_in_storage"] += 1
             return []
         cpus = self._take_cpu_blocks(n)
+        if len(cpus) < n:
+            skipped["short_of_cpu_blocks"] += 1
         nodes = self._storage_nodes(parent, hashes[:len(cpus)])
         if len(cpus) > len(nodes):
             self.cpu_pool.free(cpus[len(nodes):], front=True)

@@ -32,14 +32,21 @@ def level_from_env(default: str = "INFO") -> int:
     return level if isinstance(level, int) else logging.INFO
 
 
+_handlers: dict[Path, logging.Handler] = {}
+
+
 def setup_process_logging(log_dir: str | os.PathLike, role: str,
                           also_stderr: bool = False) -> Path:
-    """Send the ``kvcached`` loggers of this process to ``log_dir/<role>.log``."""
+    """Send the ``kvcached`` loggers of this process to ``log_dir/<role>.log``
+    (idempotent per file; undo with :func:`stop_process_logging`)."""
     path = Path(log_dir)
     path.mkdir(parents=True, exist_ok=True)
     file = path / f"{role}.log"
+    if file in _handlers:
+        return file
     handler = logging.handlers.RotatingFileHandler(file, maxBytes=MAX_BYTES,
                                                    backupCount=BACKUPS)
+    _handlers[file] = handler
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(_RoleFilter(role))
     root = logging.getLogger("kvcached")
@@ -51,3 +58,11 @@ def setup_process_logging(log_dir: str | os.PathLike, role: str,
         err.addFilter(_RoleFilter(role))
         root.addHandler(err)
     return file
+
+
+def stop_process_logging(file: Path) -> None:
+    """Detach and close the handler :func:`setup_process_logging` added for ``file``."""
+    handler = _handlers.pop(Path(file), None)
+    if handler is not None:
+        logging.getLogger("kvcached").removeHandler(handler)
+        handler.close()

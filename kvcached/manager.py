@@ -77,6 +77,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         self._lock = threading.RLock()
         self._counters = Counters()
         self._transfer = transfer
+        self._log_file: Path | None = None
         self._host_pools: list = []
         self._created_planes: list[int] = []
         self._started = False
@@ -90,6 +91,8 @@ class CacheManager(EvictionMixin, FetchMixin):
         """Attach (or spawn) the transfer; returns when every rank is ready."""
         if self._started:
             return self
+        from kvcached.logs import setup_process_logging
+        self._log_file = setup_process_logging(self.log_dir, "engine")
         self._create_shared_memory()
         if self._transfer is None:
             from kvcached.transfer.factory import make_transfer
@@ -118,6 +121,9 @@ class CacheManager(EvictionMixin, FetchMixin):
                     logger.warning("close: %s", e)
                 self._transfer.close()
             self._release_shared_memory()
+        if self._log_file is not None:
+            from kvcached.logs import stop_process_logging
+            stop_process_logging(self._log_file)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -46,7 +46,8 @@ class Counters:
     def _kind(self, kind: str) -> dict[str, Any]:
         d = self.tasks.get(kind)
         if d is None:
-            d = self.tasks[kind] = {"submitted": 0, "done": 0, "failed": 0, "blocks": 0}
+            d = self.tasks[kind] = {"submitted": 0, "done": 0, "failed": 0, "blocks": 0,
+                                    "seconds": 0.0}
             self._latency[kind] = collections.deque(maxlen=2048)
         return d
 
@@ -58,6 +59,7 @@ class Counters:
         if res.ok:
             d["done"] += 1
             d["blocks"] += len(task.src) or len(task.dst)
+            d["seconds"] += res.elapsed_s  # task time summed: bytes / seconds = bandwidth
             self._latency[task.kind].append(res.elapsed_s)
         else:
             d["failed"] += 1
