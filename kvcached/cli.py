@@ -196,6 +196,11 @@ def render_status(st: dict) -> str:
              f"weights {st.get('weight_version', '?')}, "
              f"cpu tier {'on' if st.get('cpu_tier', True) else 'OFF'})",
              f"logs: {st.get('log_dir', '?')}", ""]
+    coord = st.get("transfer") or {}
+    if coord:
+        lines += [f"coordinator: {coord.get('held', 0)} tasks held, "
+                  f"{coord.get('inflight', 0)} in flight, "
+                  f"{'healthy' if coord.get('healthy', True) else 'UNHEALTHY (CPU tier off)'}"]
     lines += _workers_table(st.get("workers") or stats.get("workers") or [])
     lines += _tiers_table(stats.get("tiers") or {})
     lines += _hits_lines(stats)

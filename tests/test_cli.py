@@ -21,6 +21,7 @@ from kvcached.transfer.endpoints import control_endpoint
 STATUS = {
     "run_dir": "/run/x", "log_dir": "/run/x/logs", "paused": True, "asleep": False,
     "cpu_tier": True, "weight_version": "v7", "transfer_mode": "workers", "tp_size": 2,
+    "transfer": {"paused": True, "held": 4, "inflight": 1, "healthy": True},
     "stats": {
         "requests": 10, "running": 1, "prompt_tokens": 200,
         "hit_tokens": {"gpu": 50, "cpu": 30, "storage": 20},
@@ -142,6 +143,7 @@ def test_status_text_shows_workers_tiers_hits_transfers_storage_logs(engine):
     assert res.exit_code == 0, res.output
     out = res.output
     assert "kvcached: PAUSED   run_dir /run/x" in out and "logs: /run/x/logs" in out
+    assert "coordinator: 4 tasks held, 1 in flight, healthy" in out
     lines = out.splitlines()
     rank0 = next(line for line in lines if "4242" in line).split()
     assert rank0[:6] == ["0", "4242", "ready", "0.2s", "ago", "3/1/0"]

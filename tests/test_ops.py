@@ -460,7 +460,9 @@ def test_pause_holds_queued_tasks_and_resume_runs_them_exactly_once(dep):
     held = [mgr.allocate(name, prompts[name]) for name in ("p2", "p3")]
     st = request(rd, "status", timeout_s=5)
     assert st["paused"] and st["transfer"]["held"] == 2
-    assert "kvcached: PAUSED" in cli("status", "--run-dir", rd)
+    text = cli("status", "--run-dir", rd)
+    assert "kvcached: PAUSED" in text and "coordinator: 2 tasks held" in text
+    assert all(str(pid) in text for pid in dep.worker_pids())
     time.sleep(0.5)  # the point is that nothing happens: give it the chance to
     assert not any(a.ready for a in held) and worker_done(dep) == done0
 
