@@ -115,7 +115,7 @@ class EvictionMixin:
     def _release_gpu(self, node: Node, state: Tier) -> None:
         gpu = node.gpu
         self._set(node, state, gpu=-1)
-        self.gpu_pool.free([gpu])
+        self.gpu_pool.free_one(gpu)
 
     def _drop_gpu(self, node: Node) -> None:
         """Forget the GPU copy; the node survives only if storage still has it."""
@@ -127,6 +127,9 @@ class EvictionMixin:
     def _remove(self, node: Node) -> None:
         """Unlink a node that holds no copy; CPU copies below it (unreachable
         without it) are dropped with it."""
+        if not node.children:  # the common case: a leaf
+            self.tree.remove(node)
+            return
         cpus = []
         for n in _subtree(node):
             if n.cpu >= 0:
@@ -194,30 +197,72 @@ class EvictionMixin:
 
     def _ref(self, node: Node) -> None:
         node.ref += 1
-        if node.ref == 1:
+        if node.ref == 1:  # referenced nodes leave the GPU LRU (and a CPU-only one the CPU LRU)
             if node.state is Tier.GPU:
                 self._n_gpu_idle -= 1
-            self._refresh(node)
+                self.tree.gpu_lru.discard(node)
+            elif node.state is Tier.CPU:
+                self.tree.cpu_lru.discard(node)
 
     def _unref(self, node: Node) -> None:
         node.ref -= 1
         node.last_access = self._clock
-        if node.ref == 0 and node.state is Tier.GPU:
-            self._n_gpu_idle += 1
-        self._refresh(node)
+        if node.ref == 0:
+            if node.state is Tier.GPU:
+                self._n_gpu_idle += 1
+            self._refresh(node)
+        elif node.cpu >= 0:  # still referenced: only a backup's LRU key moves
+            self._refresh(node)
 
-    def _refresh(self, node: Node) -> None:
-        """Put ``node`` in exactly the LRU sets it is evictable from."""
-        if node.parent is None:
+    def _ref_path(self, nodes: list[Node]) -> None:
+        """``_ref`` over a request's path (the per-block hot loop of allocate)."""
+        gpu_live, cpu_live = self.tree.gpu_lru._live, self.tree.cpu_lru._live
+        GPU, CPU = Tier.GPU, Tier.CPU
+        idle = 0
+        for n in nodes:
+            n.ref += 1
+            if n.ref == 1:
+                if n.state is GPU:
+                    idle += 1
+                    gpu_live.pop(n, None)  # LeafLRU.discard, inlined
+                elif n.state is CPU:
+                    cpu_live.pop(n, None)
+        self._n_gpu_idle -= idle
+
+    def _unref_path(self, nodes: list[Node]) -> None:
+        """``_unref`` over a path, deepest first (the per-block hot loop of free)."""
+        clock, refresh, GPU = self._clock, self._refresh, Tier.GPU
+        idle = 0
+        for n in reversed(nodes):
+            n.ref -= 1
+            n.last_access = clock
+            if n.ref == 0:
+                if n.state is GPU:
+                    idle += 1
+                    if n.n_gpu_children and n.cpu < 0:
+                        continue  # an inner node without backup sits in no LRU
+                refresh(n)
+            elif n.cpu >= 0:
+                refresh(n)
+        self._n_gpu_idle += idle
+
+    def _refresh(self, n: Node) -> None:
+        """Put ``n`` in exactly the LRU sets it is evictable from (hot: predicates inlined)."""
+        if n.parent is None:
             return  # the root is never evicted
-        if gpu_evictable(node):
-            self.tree.gpu_lru.add(node)
+        tree = self.tree
+        if n.state is Tier.GPU and not (n.ref or n.n_gpu_children or n.busy):
+            tree.gpu_lru.add(n)
         else:
-            self.tree.gpu_lru.discard(node)
-        if cpu_evictable(node):
-            self.tree.cpu_lru.add(node)
+            tree.gpu_lru.discard(n)
+        if n.cpu < 0:
+            tree.cpu_lru.discard(n)
+        elif not (n.n_cpu_children or n.busy) and (
+                n.state is Tier.GPU
+                or (n.state is Tier.CPU and not (n.ref or n.n_gpu_children))):
+            tree.cpu_lru.add(n)
         else:
-            self.tree.cpu_lru.discard(node)
+            tree.cpu_lru.discard(n)
 
 
 def _subtree(node: Node):

@@ -48,16 +48,21 @@ def block_hashes(parent: bytes, token_ids: Sequence[int], block_size: int,
     if stop <= start:
         return []
     extra = _extra_bytes(extra_key)
-    toks = np.asarray(token_ids[start * block_size: stop * block_size], dtype="<i8")
-    raw = toks.tobytes()
+    raw = _token_bytes(token_ids, start * block_size, stop * block_size)
     step = block_size * 8
     out = []
     h = parent
-    for i in range(stop - start):
-        d = blake2b(h, digest_size=DIGEST)
-        if extra:
-            d.update(extra)
-        d.update(raw[i * step:(i + 1) * step])
-        h = d.digest()
+    for pos in range(0, len(raw), step):
+        # One-shot digest of one buffer: cheaper than blake2b() + update() calls.
+        h = blake2b(h + extra + raw[pos:pos + step], digest_size=DIGEST).digest()
         out.append(h)
     return out
+
+
+def _token_bytes(token_ids: Sequence[int], lo: int, hi: int) -> bytes:
+    """Tokens ``lo..hi-1`` as little-endian int64 bytes (lists, arrays or tensors)."""
+    if isinstance(token_ids, np.ndarray):
+        return np.ascontiguousarray(token_ids[lo:hi], dtype="<i8").tobytes()
+    if isinstance(token_ids, list):  # fromiter beats asarray on Python lists
+        return np.fromiter(token_ids[lo:hi], dtype="<i8", count=hi - lo).tobytes()
+    return np.asarray(token_ids[lo:hi], dtype="<i8").tobytes()

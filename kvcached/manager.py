@@ -199,13 +199,11 @@ class CacheManager(EvictionMixin, FetchMixin):
                 self._counters.no_free_blocks += 1
                 raise NoFreeBlocks(need, avail)
             self._clock += 1
-            for nd in matched:
-                self._ref(nd)
+            self._ref_path(matched)
             try:
                 self._make_room(need)
             except BaseException:
-                for nd in matched:
-                    self._unref(nd)
+                self._unref_path(matched)
                 raise
             return self._finish_allocate(req, matched, n_gpu, self.gpu_pool.allocate(need))
 
@@ -334,8 +332,7 @@ class CacheManager(EvictionMixin, FetchMixin):
             self._reap()
             del self._reqs[request_id]
             self._clock += 1
-            for node in reversed(req.nodes):
-                self._unref(node)
+            self._unref_path(req.nodes)
             private = req.blocks[len(req.nodes):]
             if private:
                 self.gpu_pool.free(private[::-1])  # tail first, as vLLM does

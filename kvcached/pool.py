@@ -58,6 +58,13 @@ class BlockPool:
         else:
             self._free.extend(ids)
 
+    def free_one(self, b: int) -> None:
+        """``free([b])`` without the batch bookkeeping (eviction frees one at a time)."""
+        if not 0 <= b < self.num_blocks or self._is_free[b]:
+            self.free([b])  # raises the precise error
+        self._is_free[b] = 1
+        self._free.append(b)
+
     def is_free(self, block_id: int) -> bool:
         return bool(self._is_free[block_id])
 

@@ -156,6 +156,11 @@ class BlockTree:
         """
         assert node.gpu < 0 and node.cpu < 0 and node.ref == 0, f"removing a live node {node}"
         del node.parent.children[node.hash]
+        if not node.children:  # a leaf: no walk
+            self.gpu_lru.discard(node)
+            self.cpu_lru.discard(node)
+            self.num_nodes -= 1
+            return 1
         removed, stack = 0, [node]
         while stack:
             n = stack.pop()
