@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from kvcached.layout import DTYPE_SIZES, KVLayout
 

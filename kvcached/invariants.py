@@ -78,13 +78,13 @@ def _check_structure(nodes: list[Node]) -> None:
 
 def _check_ownership(mgr: CacheManager, nodes: list[Node], tier: str) -> None:
     pool = mgr.gpu_pool if tier == "gpu" else mgr.cpu_pool
-    owners: dict[int, str] = {}
+    owners: dict[int, object] = {}  # block -> holder; described only on failure
 
-    def claim(block: int, who: str) -> None:
+    def claim(block: int, who: object) -> None:
         if not 0 <= block < pool.num_blocks:
-            _fail(f"{tier} block {block} held by {who} is out of range")
+            _fail(f"{tier} block {block} held by {who!r} is out of range")
         if block in owners:
-            _fail(f"{tier} block {block} is held by {owners[block]} and by {who}")
+            _fail(f"{tier} block {block} is held by {owners[block]!r} and by {who!r}")
         owners[block] = who
 
     for b in pool.free_ids():
@@ -92,7 +92,7 @@ def _check_ownership(mgr: CacheManager, nodes: list[Node], tier: str) -> None:
     for n in nodes:
         b = n.gpu if tier == "gpu" else n.cpu
         if b >= 0:
-            claim(b, repr(n))
+            claim(b, n)
     if tier == "gpu":
         for r in mgr._reqs.values():
             for b in r.blocks[len(r.nodes):]:
