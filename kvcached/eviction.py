@@ -177,6 +177,7 @@ class EvictionMixin:
     def _set(self, node: Node, state: Tier, gpu: int | None = None,
              cpu: int | None = None) -> None:
         """Change a node's state/copies and keep counters and LRU sets exact."""
+        old_state = node.state
         old_g = node.state is Tier.GPU or node.state is Tier.SWAP_IN
         old_c = node.cpu >= 0
         old_idle = node.state is Tier.GPU and node.ref == 0
@@ -187,6 +188,8 @@ class EvictionMixin:
             node.cpu = cpu
         new_g = state is Tier.GPU or state is Tier.SWAP_IN
         new_c = node.cpu >= 0
+        if self._events is not None:
+            self._publish_change(node, old_state, old_c)
         self._n_gpu_idle += (state is Tier.GPU and node.ref == 0) - old_idle
         parent = node.parent
         if new_g != old_g or new_c != old_c:
@@ -194,6 +197,16 @@ class EvictionMixin:
             parent.n_cpu_children += new_c - old_c
             self._refresh(parent)
         self._refresh(node)
+
+    def _publish_change(self, node: Node, old_state: Tier, old_cpu: bool) -> None:
+        """KV events: a block became usable in, or left, the GPU or CPU tier."""
+        usable_cpu = (Tier.GPU, Tier.CPU)
+        was_g, is_g = old_state is Tier.GPU, node.state is Tier.GPU
+        was_c = old_cpu and old_state in usable_cpu
+        is_c = node.cpu >= 0 and node.state in usable_cpu
+        for tier, was, now in (("gpu", was_g, is_g), ("cpu", was_c, is_c)):
+            if was != now:
+                self._events.publish("stored" if now else "removed", tier, [node.hash])
 
     def _ref(self, node: Node) -> None:
         node.ref += 1

@@ -197,6 +197,8 @@ class FetchMixin:
             n.busy -= 1
             if res.ok:
                 n.in_storage = bool(i < len(stored) and stored[i])
+                if n.in_storage and self._events is not None:
+                    self._events.publish("stored", "storage", [n.hash])
             else:  # the staging copy may be torn: do not keep it as a backup
                 cpu = n.cpu
                 self._set(n, n.state, cpu=-1)

@@ -78,6 +78,9 @@ class CacheManager(EvictionMixin, FetchMixin):
         self._counters = Counters()
         self._transfer = transfer
         self._log_file: Path | None = None
+        self._ops: list = []  # control server, metrics server, event publisher
+        self._events = None  # KVEventPublisher when kv_events_endpoint is set
+        self.metrics = None
         self._host_pools: list = []
         self._created_planes: list[int] = []
         self._started = False
@@ -103,16 +106,40 @@ class CacheManager(EvictionMixin, FetchMixin):
             self._release_shared_memory()
             raise
         self._started = True
+        try:
+            self._start_ops()
+        except BaseException:
+            self.close()
+            raise
         logger.info("kvcached started: run_dir=%s gpu=%d cpu=%d blocks of %d tokens",
                     self.run_dir, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks,
                     self.block_size)
         return self
+
+    def _start_ops(self) -> None:
+        """The control socket (`kvcached ctl`), metrics and KV events, as configured."""
+        cfg = self.cfg
+        if cfg.control_socket:
+            from kvcached.ctlserver import ControlServer
+            self._ops.append(ControlServer(self).start())
+        if cfg.metrics_port:
+            from kvcached.metrics import MetricsServer
+            self.metrics = MetricsServer(self, cfg.metrics_host, cfg.metrics_port).start()
+            self._ops.append(self.metrics)
+        if cfg.kv_events_endpoint:
+            from kvcached.events import KVEventPublisher
+            self._events = KVEventPublisher(cfg.kv_events_endpoint,
+                                            source=str(self.run_dir)).start()
+            self._ops.append(self._events)
 
     def close(self) -> None:
         """Finish what is in flight, stop the transfer, remove run files."""
         if self._closed:
             return
         self._closed = True
+        for op in reversed(self._ops):  # no more control requests while closing
+            op.close()
+        self._ops.clear()
         with self._lock:
             if self._transfer is not None:
                 try:  # pending stores finish first: they are what survives a restart
