@@ -332,7 +332,7 @@ def request(run_dir: str | os.PathLike, op: str, args: dict[str, Any] | None = N
     try:
         sock.connect(control_endpoint(run_dir))
         sock.send_multipart([b"", P.CtlRequest(op, args or {}, float(timeout_s)).encode()])
-        wait_s = timeout_s + CLIENT_GRACE_S
+        wait_s = timeout_s + min(CLIENT_GRACE_S, 0.5 + timeout_s)
         if not sock.poll(int(wait_s * 1000)):
             raise TimeoutError(f"no answer from the engine's control socket {path} within "
                                f"{wait_s:.0f}s: is the engine alive? (a busy engine may "

@@ -4,16 +4,37 @@
 ``h_{-1} = blake2b(namespace)``. Never Python's ``hash()``: it is salted per
 process. The namespace folds in the model, the weight version and a salt so
 caches of different models or weights never share a block.
+
+``block_hashes`` runs in native code when it can: ``cuda/block_hash.c``, a
+small CPython extension with its own BLAKE2b, built lazily on first use into
+the kvcached build cache (``kvcached.copy.native_build``) and reading list
+items directly. Its results are byte-identical to ``_block_hashes_py``, the
+pure-Python reference (numpy conversion + hashlib), which is used when there
+is no compiler or Python headers (one warning) or ``KVCACHED_NO_NATIVE=1``
+(read once, at the first call).
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import sysconfig
+import threading
 from collections.abc import Sequence
 from hashlib import blake2b
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 DIGEST = 16
+NATIVE_SOURCE = Path(__file__).resolve().parents[1] / "cuda" / "block_hash.c"
+NATIVE_MODULE = "kvcached._block_hash"  # PyInit__block_hash in block_hash.c
 
 
 def namespace_hash(model_id: str, weight_version: str, salt: str = "") -> bytes:
@@ -41,8 +62,40 @@ def block_hashes(parent: bytes, token_ids: Sequence[int], block_size: int,
     """Hashes of full blocks ``start..stop-1`` of ``token_ids``, chained from ``parent``.
 
     ``parent`` is the hash of block ``start-1`` (or the namespace hash when
-    ``start`` is 0). A partial trailing block is never hashed.
+    ``start`` is 0). A partial trailing block is never hashed. ``token_ids``
+    is a list or tuple of ints, a numpy array or anything numpy converts.
     """
+    mod = _native
+    if mod is _UNTRIED:
+        mod = load_native()
+    if mod is None:
+        return _block_hashes_py(parent, token_ids, block_size, extra_key, start, stop)
+    full = len(token_ids) // block_size
+    stop = full if stop is None else min(stop, full)
+    if stop <= start:
+        return []
+    if type(parent) is not bytes or type(block_size) is not int or start < 0:
+        # Odd arguments: the reference defines what they do (or raise).
+        return _block_hashes_py(parent, token_ids, block_size, extra_key, start, stop)
+    extra = _extra_bytes(extra_key)
+    try:
+        if isinstance(token_ids, (list, tuple)):
+            return mod.chain(parent, token_ids, block_size, extra, start, stop)
+        arr = _token_array(token_ids, start * block_size, stop * block_size)
+        if arr.ndim == 1:
+            return mod.chain(parent, np.ascontiguousarray(arr), block_size, extra, 0,
+                             stop - start)
+    except TypeError:
+        # An item that is not an int (a float, a string): the reference converts
+        # it through numpy exactly as before, or raises numpy's error.
+        pass
+    return _block_hashes_py(parent, token_ids, block_size, extra_key, start, stop)
+
+
+def _block_hashes_py(parent: bytes, token_ids: Sequence[int], block_size: int,
+                     extra_key: object = None, start: int = 0,
+                     stop: int | None = None) -> list[bytes]:
+    """Pure-Python reference of ``block_hashes`` (numpy conversion + hashlib)."""
     full = len(token_ids) // block_size
     stop = full if stop is None else min(stop, full)
     if stop <= start:
@@ -61,8 +114,93 @@ def block_hashes(parent: bytes, token_ids: Sequence[int], block_size: int,
 
 def _token_bytes(token_ids: Sequence[int], lo: int, hi: int) -> bytes:
     """Tokens ``lo..hi-1`` as little-endian int64 bytes (lists, arrays or tensors)."""
+    return _token_array(token_ids, lo, hi).tobytes()
+
+
+def _token_array(token_ids: Sequence[int], lo: int, hi: int) -> np.ndarray:
+    """Tokens ``lo..hi-1`` as a little-endian int64 array (lists, arrays or tensors)."""
     if isinstance(token_ids, np.ndarray):
-        return np.ascontiguousarray(token_ids[lo:hi], dtype="<i8").tobytes()
+        return np.ascontiguousarray(token_ids[lo:hi], dtype="<i8")
     if isinstance(token_ids, list):  # fromiter beats asarray on Python lists
-        return np.fromiter(token_ids[lo:hi], dtype="<i8", count=hi - lo).tobytes()
-    return np.asarray(token_ids[lo:hi], dtype="<i8").tobytes()
+        return np.fromiter(token_ids[lo:hi], dtype="<i8", count=hi - lo)
+    return np.asarray(token_ids[lo:hi], dtype="<i8")
+
+
+# ------------------------------------------------------------------ native
+_UNTRIED = object()
+_native: ModuleType | None | object = _UNTRIED  # the extension, None (Python path), or untried
+_native_error: str | None = None  # why the Python path is used
+_native_lock = threading.Lock()
+
+
+def native_disabled() -> bool:
+    """True when ``KVCACHED_NO_NATIVE`` asks for the Python path (as for the CPU copy engine)."""
+    return os.environ.get("KVCACHED_NO_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def load_native() -> ModuleType | None:
+    """The native extension, built (once, cached on disk) and loaded at the first
+    call; None when the Python path is used, with one warning saying why."""
+    global _native, _native_error
+    with _native_lock:
+        if _native is _UNTRIED:
+            if native_disabled():
+                _native_error = "disabled by KVCACHED_NO_NATIVE"
+                logger.info("native block hashing disabled by KVCACHED_NO_NATIVE; "
+                            "using the Python path")
+                _native = None
+            else:
+                try:
+                    _native = _build_and_import()
+                except (OSError, RuntimeError, ImportError) as e:
+                    _native_error = f"{type(e).__name__}: {e}"
+                    logger.warning("native block hashing unavailable, using the slower Python "
+                                   "path (same hashes): %s", _native_error)
+                    _native = None
+        return _native  # type: ignore[return-value]
+
+
+def native_error() -> str | None:
+    """Why the Python path is used (None while native hashing is used or untried)."""
+    return _native_error
+
+
+def _build_and_import() -> ModuleType:
+    nb = _native_build()
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        raise nb.CompilerNotFound(f"Python headers not found ({include}/Python.h); install "
+                                  f"the python{sys.version_info[0]}.{sys.version_info[1]}-dev "
+                                  "package to build the native block hasher")
+    flags = ["-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-fvisibility=hidden", f"-I{include}"]
+    if sys.platform == "darwin":
+        flags += ["-undefined", "dynamic_lookup"]
+    # The ABI tag goes into the file name: another Python gets its own build.
+    tag = (sysconfig.get_config_var("EXT_SUFFIX") or ".so").removesuffix(".so")
+    path = nb.build_shared_library(f"kvc_block_hash{tag}", [NATIVE_SOURCE], flags=flags)
+    loader = importlib.machinery.ExtensionFileLoader(NATIVE_MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(NATIVE_MODULE, path, loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot load {path} as {NATIVE_MODULE}")
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def _native_build() -> ModuleType:
+    """``kvcached.copy.native_build``; loaded by path when this module was too
+    (as the cross-process tests do), so the kvcached package (and torch) stays
+    unimported."""
+    if __name__ == "kvcached.hashing":
+        from kvcached.copy import native_build
+        return native_build
+    name = "_kvcached_native_build"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parent / "copy" / "native_build.py")
+        if spec is None or spec.loader is None:
+            raise ImportError("cannot find kvcached/copy/native_build.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+    return sys.modules[name]

@@ -422,16 +422,20 @@ class CacheManager(EvictionMixin, FetchMixin):
     def pause(self) -> dict:
         """Hold transfers (in-flight ones finish); GPU hits keep being served."""
         with self._lock:
+            changed = not self._paused
             res = self._control("pause")
             self._paused = True
-            return res
+            return {**res, "changed": changed, "paused": True}
 
     def resume(self) -> dict:
         """Run held transfers, in order."""
         with self._lock:
+            changed = self._paused and not self._asleep
+            if self._asleep:
+                raise CacheAsleep("kvcached is asleep: wakeup() resumes it")
             res = self._control("resume")
             self._paused = False
-            return res
+            return {**res, "changed": changed, "paused": False}
 
     def sleep(self, release_host_pool: bool = False) -> dict:
         """Pause and detach from the engine's KV planes (the engine may free them).
@@ -487,6 +491,9 @@ class CacheManager(EvictionMixin, FetchMixin):
             res = self._control("update_weights", version=version)
             self.cfg = self.cfg.replace(weight_version=version)
             self._ns = namespace_hash(self.cfg.model_id, version, self.cfg.salt)
+            if self._events is not None:  # routers: nothing from before matches any more
+                for tier in ("gpu", "cpu", "storage"):
+                    self._events.publish("cleared", tier, [])
             logger.info("weights updated to version %s: new cache namespace", version)
             return {"changed": True, "version": version, "ranks": res.get("ranks", {})}
 

@@ -297,7 +297,7 @@ OPS_CONFIG = dict(
     num_gpu_blocks=8, num_cpu_blocks=8, storage_backend="none", transfer_mode="workers",
     spawn_workers=False,
     create_cache=True, heartbeat_interval_s=0.1, worker_timeout_s=3.0, engine_timeout_s=4.0,
-    task_timeout_s=10.0, worker_start_timeout_s=60.0,
+    task_timeout_s=10.0, worker_start_timeout_s=20.0,
 )
 
 
@@ -334,7 +334,12 @@ class Deployment:
 
     def start_engine(self):
         from kvcached import CacheConfig, CacheManager
-        self.mgr = CacheManager(CacheConfig.load(self.config)).start()
+        try:
+            self.mgr = CacheManager(CacheConfig.load(self.config)).start()
+        except TimeoutError as e:  # say why the launched workers did not come up
+            log = self.run_dir / "logs" / "worker-rank0.log"
+            tail = log.read_text()[-2000:] if log.exists() else "(no worker log)"
+            raise AssertionError(f"{e}\nworker rank 0 log:\n{tail}") from None
         return self.mgr
 
     def planes(self, rank: int):
@@ -416,6 +421,14 @@ def settled_done(dep: Deployment, window: float = 0.4, timeout: float = 10.0) ->
     raise AssertionError(f"worker task counts kept changing for {timeout}s")
 
 
+def worker_logs(dep: Deployment) -> str:
+    """The end of every rank's log, for failure messages."""
+    out = []
+    for log in sorted((dep.run_dir / "logs").glob("worker-rank*.log")):
+        out.append(f"--- {log.name}:\n{log.read_text()[-1500:]}")
+    return "\n".join(out)
+
+
 def test_launched_workers_serve_the_engine(dep):
     pids = dep.worker_pids()
     assert sorted(pids) == children_of(dep.launcher.pid)
@@ -423,7 +436,17 @@ def test_launched_workers_serve_the_engine(dep):
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert cmd[cmd.index(b"--rank") + 1] == str(rank).encode()
         assert b"--engine-pid" not in cmd and b"--config" in cmd
-    assert [w["state"] for w in dep.mgr.stats().workers] == ["ready", "ready"]
+    # A round trip through the host pools of both ranks keeps every byte.
+    prompt = toks(1, 2, tail=1)
+    cache_prompt(dep, "w1", prompt, salt=5)
+    evict_all(dep)
+    a = dep.mgr.allocate("w2", prompt)
+    a.wait(10)
+    assert a.hit.cpu_tokens == 8, worker_logs(dep)
+    assert all(holds(dep, b, 5 + i) for i, b in enumerate(a.block_ids[:2]))
+    dep.mgr.free("w2")
+    assert dep.worker_pids() == pids and [w["state"] for w in dep.mgr.stats().workers] == \
+        ["ready", "ready"], worker_logs(dep)
 
 
 def test_pause_holds_queued_tasks_and_resume_runs_them_exactly_once(dep):

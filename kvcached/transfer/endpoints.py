@@ -9,6 +9,7 @@ from pathlib import Path
 from kvcached.config import CacheConfig
 
 CONFIG_FILE = "config.json"
+ENGINE_FILE = "engine.json"  # {"pid": engine pid}: names the host pools a worker attaches
 
 
 def coordinator_endpoint(cfg: CacheConfig, run_dir) -> str:

@@ -17,6 +17,7 @@ connected, nothing arrived from the coordinator for ``engine_timeout_s``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -30,7 +31,7 @@ import zmq
 from kvcached.config import CacheConfig
 from kvcached.transfer import protocol as P
 from kvcached.transfer.base import Task
-from kvcached.transfer.endpoints import coordinator_endpoint
+from kvcached.transfer.endpoints import ENGINE_FILE, coordinator_endpoint
 from kvcached.transfer.executor import RankExecutor
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"rank-{self.rank}".encode())
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(coordinator_endpoint(self.cfg, self.run_dir))
         pull = self.ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
@@ -138,7 +140,10 @@ class Worker:
                 self.stop_reason = f"no word from the engine for {self.cfg.engine_timeout_s}s"
                 return 0
             if not ready and now - last_hello > HELLO_RETRY_S:
-                sock.send(self._hello().encode())
+                try:  # IMMEDIATE + NOBLOCK: hellos never pile up while no engine listens
+                    sock.send(self._hello().encode(), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 last_hello = now
             if ready and now - last_hb > interval:
                 sock.send(self._heartbeat().encode())
@@ -157,6 +162,7 @@ class Worker:
                         if verdict == "ready" and not ready:
                             # Handshake first (a layout mismatch is named there),
                             # then attach; tasks wait in the socket meanwhile.
+                            self._learn_engine_pid()
                             self.executor.open(timeout_s=self.cfg.worker_start_timeout_s)
                             ready = True
                         elif verdict == "stop":
@@ -256,6 +262,14 @@ class Worker:
         return {n: lane.tasks.qsize() + lane.busy for n, lane in self.lanes.items()}
 
     # --------------------------------------------------------------- helpers
+    def _learn_engine_pid(self) -> None:
+        """The engine owns (and names) the host pools: learn its pid from the run dir."""
+        try:
+            pid = int(json.loads((self.run_dir / ENGINE_FILE).read_text())["pid"])
+        except (OSError, ValueError, KeyError) as e:
+            raise RuntimeError(f"cannot read {ENGINE_FILE} in {self.run_dir}: {e}") from e
+        self.executor.owner_pid = pid
+
     def _engine_alive(self) -> bool:
         if self.engine_pid is None:
             return True

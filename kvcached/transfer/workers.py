@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -34,7 +35,12 @@ import zmq
 from kvcached.config import CacheConfig
 from kvcached.transfer import protocol as P
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer, merge_results
-from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
+from kvcached.transfer.endpoints import (
+    CONFIG_FILE,
+    ENGINE_FILE,
+    coordinator_endpoint,
+    socket_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +100,7 @@ class WorkerTransfer(Transfer):
     def start(self) -> None:
         """Bind, spawn the workers (unless launched separately), wait for every hello."""
         (self.run_dir / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict()))
+        (self.run_dir / ENGINE_FILE).write_text(json.dumps({"pid": os.getpid()}))
         endpoint = coordinator_endpoint(self.cfg, self.run_dir)
         if len(endpoint) > 100:
             raise ValueError(f"run_dir {str(self.run_dir)!r} is too long for an ipc socket "
@@ -298,6 +305,8 @@ class WorkerTransfer(Transfer):
             with self._ready_cv:
                 self._ready_cv.notify_all()
             return
+        if w.ready and msg.pid != w.pid:  # restarted before we noticed the old one die
+            self._lose(w.rank, f"replaced by pid {msg.pid}")
         w.pid, w.state, w.lost_reason = msg.pid, "ready", ""
         logger.info("coordinator: rank %d ready (pid %d, restart %d)", w.rank, msg.pid,
                     msg.restarts)
@@ -366,8 +375,12 @@ class WorkerTransfer(Transfer):
         logger.error("coordinator: rank %d lost: %s", rank, reason)
         w.state, w.lost_reason = "lost", reason
         # Kill it before failing its tasks: no late copy may land in a block
-        # the manager is about to roll back and hand out again.
-        _stop_process(w.proc, grace_s=0.0)
+        # the manager is about to roll back and hand out again. A worker we did
+        # not spawn (`kvcached launch`) is killed by pid; its launcher restarts it.
+        if w.proc is not None:
+            _stop_process(w.proc, grace_s=0.0)
+        elif w.pid:
+            _kill_pid(w.pid)
         for inf in list(self._inflight.values()):
             self._rank_answered(inf, rank, False, f"worker lost: {reason}", lost=True)
         if not self.cfg.spawn_workers:
@@ -446,6 +459,13 @@ def _rank_of(ident: bytes, tp: int) -> int | None:
     except ValueError:
         return None
     return rank if 0 <= rank < tp else None
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:

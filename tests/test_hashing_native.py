@@ -1,0 +1,334 @@
+"""Native block hashing (cuda/block_hash.c) against the pure-Python reference.
+
+``kvcached.hashing.block_hashes`` routes to the C extension when it builds;
+``_block_hashes_py`` (numpy + hashlib) is the reference. Every result must be
+byte-identical, errors must have the reference's exception types, and the
+Python path must still work when the native one is off or cannot be built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import sysconfig
+import time
+from hashlib import blake2b
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcached.hashing as hashing
+from kvcached.copy.native_build import find_compiler
+from kvcached.hashing import _block_hashes_py, block_hashes, namespace_hash
+
+I64_MIN, I64_MAX = -2**63, 2**63 - 1
+BLOCK_SIZES = (1, 2, 16, 64, 256)
+EXTRA_KEYS = (None, "lora-7", b"\x00mm:\xff", ("lora", 3, b"img"), 42, "x" * 300)
+
+
+@pytest.fixture(scope="module")
+def native():
+    """The loaded extension; skipped only where it cannot be built at all."""
+    if find_compiler() is None:
+        pytest.skip("no C compiler: the Python path is covered by test_hashing.py")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        pytest.skip("no Python headers to build the extension against")
+    mod = hashing.load_native()
+    assert mod is not None, f"native block hashing failed to build: {hashing.native_error()}"
+    return mod
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return [rng.randrange(0, 200_000) for _ in range(n)]
+    if kind == 1:
+        return [rng.randrange(I64_MIN, I64_MAX + 1) for _ in range(n)]
+    if kind == 2:  # every size of int: 1, 2 and 3 CPython digits, both signs, the edges
+        pool = [0, 1, -1, 2**30 - 1, 2**30, -2**30, 2**60 - 1, 2**60, -2**60, 2**62,
+                I64_MIN, I64_MAX, I64_MIN + 1, I64_MAX - 1, True, False]
+        return [rng.choice(pool) for _ in range(n)]
+    return [rng.randrange(-2**40, 2**40) for _ in range(n)]
+
+
+def as_input(rng: random.Random, tokens: list[int]):
+    """The same tokens as a list, a tuple or a numpy array of a few layouts."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return tuple(tokens)
+    if kind == 1:
+        return np.array(tokens, dtype=np.int64)
+    if kind == 2:  # a non-contiguous view: every other element of a twice-as-long array
+        twice = np.zeros(2 * len(tokens), dtype=np.int64)
+        twice[::2] = tokens
+        return twice[::2]
+    if kind == 3:
+        small = [t % 2**31 for t in tokens]
+        return np.array(small, dtype=np.int32)
+    if kind == 4:  # numpy scalars in a list: not ints, so the reference path (same bytes)
+        return [np.int64(t) for t in tokens]
+    return tokens
+
+
+# ------------------------------------------------------------- equivalence
+def test_native_is_used(native):
+    assert hashing.load_native() is native
+    assert hashing._native is native  # cached in the module global: built and loaded once
+    assert hashing.native_error() is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_inputs_match_the_reference(native, seed):
+    rng = random.Random(seed)
+    ns = namespace_hash("model", str(seed))
+    for _ in range(40):
+        n = rng.choice([0, 1, rng.randrange(0, 300), rng.randrange(0, 5001)])
+        bs = rng.choice(BLOCK_SIZES)
+        tokens = random_tokens(rng, n)
+        data = as_input(rng, tokens)
+        extra = rng.choice(EXTRA_KEYS)
+        full = n // bs
+        start = rng.choice([0, 0, rng.randrange(0, full + 2)])
+        stop = rng.choice([None, rng.randrange(0, full + 3), full + 10])
+        parent = rng.choice([ns, b"", b"ideal", os.urandom(rng.randrange(0, 300))])
+        want = _block_hashes_py(parent, data, bs, extra, start, stop)
+        got = block_hashes(parent, data, bs, extra, start, stop)
+        assert got == want, (n, bs, type(data).__name__, extra, start, stop)
+
+
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+def test_direct_chain_matches_for_lists_tuples_and_arrays(native, bs):
+    rng = random.Random(bs)
+    tokens = random_tokens(rng, 5000)
+    ns = namespace_hash("m", "1")
+    full = len(tokens) // bs
+    want = _block_hashes_py(ns, tokens, bs, "k")
+    arr = np.array(tokens, dtype=np.int64)
+    for data in (tokens, tuple(tokens), arr, memoryview(arr)):
+        assert native.chain(ns, data, bs, b"k", 0, full) == want, type(data).__name__
+    mid = full // 2
+    assert native.chain(want[mid - 1], tokens, bs, b"k", mid, full) == want[mid:]
+    assert native.chain(ns, tokens, bs, b"k", 3, 3) == []
+
+
+def test_chaining_in_pieces_equals_at_once(native):
+    ns = namespace_hash("m", "1")
+    tokens = list(range(-500, 500))
+    whole = block_hashes(ns, tokens, 16, "x")
+    assert whole == _block_hashes_py(ns, tokens, 16, "x")
+    for cut in (0, 1, 7, 30, 62, 99):
+        head = block_hashes(ns, tokens, 16, "x", stop=cut)
+        tail = block_hashes(head[-1] if head else ns, tokens, 16, "x", start=cut)
+        assert head + tail == whole
+
+
+def test_known_answers_against_hashlib(native):
+    # Pinned bytes (an independent check of the BLAKE2b parameter block).
+    assert native.chain(bytes(16), [1], 1, b"", 0, 1) == [
+        bytes.fromhex("8d7ec495a76038357ec1ff0d6f5f3ba8")]
+    assert native.chain(b"kvc", [-1, I64_MAX], 2, b"x" * 125, 0, 1) == [
+        bytes.fromhex("ea5b88d8dd3b0d93f32b20aff40f6028")]
+    # Every message length 8..520 through the 128-byte block boundaries: the
+    # last block is compressed with the final flag even when it is full.
+    for plen in range(0, 513):
+        parent = bytes(range(256)) * 2
+        parent = parent[:plen]
+        for extra in (b"", b"e" * (plen % 7)):
+            msg = parent + extra + struct.pack("<q", plen - 300)
+            want = blake2b(msg, digest_size=16).digest()
+            assert native.chain(parent, [plen - 300], 1, extra, 0, 1) == [want], (plen, extra)
+    # Long messages (one 64-token block is 4 full 128-byte blocks plus the rest).
+    ns = namespace_hash("m", "1")
+    tokens = list(range(1000))
+    h, want = ns, []
+    for i in range(len(tokens) // 64):
+        h = blake2b(h + struct.pack("<64q", *tokens[i * 64:(i + 1) * 64]), digest_size=16).digest()
+        want.append(h)
+    assert native.chain(ns, tokens, 64, b"", 0, len(want)) == want
+
+
+# ---------------------------------------------------------------- errors
+def outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except Exception as e:  # noqa: BLE001 - the exception type is what is compared
+        return ("raised", type(e))
+
+
+@pytest.mark.parametrize("bad", [2**63, I64_MIN - 1, 2**64 - 1, 2**100, -2**100,
+                                 None, "x", object(), 1 + 0j, [1], 1.5, float("nan"),
+                                 1e30, "5", b"7", np.int64(5), np.uint64(2**64 - 1),
+                                 np.float64(2.5), np.int32(-3), True])
+@pytest.mark.parametrize("container", [list, tuple])
+def test_odd_items_behave_as_in_the_reference(native, bad, container):
+    """Same result or same exception type as the numpy path, item by item."""
+    ns = namespace_hash("m", "1")
+    for pos in (0, 5, 13):
+        tokens = list(range(16))
+        tokens[pos] = bad
+        data = container(tokens)
+        want = outcome(_block_hashes_py, ns, data, 4, "k")
+        got = outcome(block_hashes, ns, data, 4, "k")
+        assert got == want, (bad, pos)
+    # Outside the hashed range a bad item is never read, as in the reference.
+    data = container(list(range(8)) + [bad])
+    assert block_hashes(ns, data, 4) == _block_hashes_py(ns, data, 4)
+    assert block_hashes(ns, container([bad] + list(range(8))), 4, start=1) == \
+        _block_hashes_py(ns, container([bad] + list(range(8))), 4, start=1)
+
+
+def test_native_raises_overflow_and_type_errors_itself(native):
+    ns = namespace_hash("m", "1")
+    for big in (2**63, I64_MIN - 1, 2**200):
+        with pytest.raises(OverflowError, match="int64"):
+            native.chain(ns, [1, 2, big, 3], 2, b"", 0, 2)
+    assert native.chain(ns, [I64_MIN, I64_MAX], 2, b"", 0, 1) == \
+        _block_hashes_py(ns, [I64_MIN, I64_MAX], 2)
+    with pytest.raises(TypeError, match="token 1 is a NoneType"):
+        native.chain(ns, (1, None), 2, b"", 0, 1)
+    with pytest.raises(TypeError, match="token 0 is a float"):
+        native.chain(ns, [1.0, 2], 2, b"", 0, 1)
+    with pytest.raises(TypeError, match="int64"):
+        native.chain(ns, np.zeros(4, dtype=np.float64), 2, b"", 0, 1)
+    with pytest.raises(TypeError, match="int64"):
+        native.chain(ns, np.zeros(4, dtype=np.int32), 2, b"", 0, 1)
+    with pytest.raises(TypeError):
+        native.chain(ns, np.zeros(8, dtype=np.int64)[::2], 2, b"", 0, 1)  # not contiguous
+    with pytest.raises(TypeError, match="tokens must be"):
+        native.chain(ns, {1, 2}, 1, b"", 0, 1)
+    with pytest.raises(TypeError, match="parent must be bytes"):
+        native.chain("ns", [1, 2], 1, b"", 0, 1)
+    with pytest.raises(TypeError, match="extra must be bytes"):
+        native.chain(ns, [1, 2], 1, "x", 0, 1)
+    with pytest.raises(TypeError, match="6 arguments"):
+        native.chain(ns, [1, 2], 1)
+    with pytest.raises(ValueError, match="not within"):
+        native.chain(ns, [1, 2, 3], 2, b"", 0, 2)  # only one full block
+    with pytest.raises(ValueError, match="not within"):
+        native.chain(ns, [1, 2, 3], 1, b"", -1, 2)
+    with pytest.raises(ValueError, match="block_size"):
+        native.chain(ns, [1, 2, 3], 0, b"", 0, 1)
+
+
+def test_odd_arguments_behave_as_in_the_reference(native):
+    ns = namespace_hash("m", "1")
+    tokens = list(range(40))
+    cases = [
+        (bytearray(ns), tokens, 4, None, 0, None),     # parent not bytes: works in both
+        (memoryview(ns), tokens, 4, None, 0, None),    # ... raises in both
+        ("ns", tokens, 4, None, 0, None),
+        (ns, tokens, 4, None, -3, None),               # negative start: the slice semantics
+        (ns, tokens, 4, None, np.int64(2), np.int64(6)),
+        (ns, tokens, 4, 1.5, 0, None),                 # bad extra key
+        (ns, tokens, 4, 1.5, 5, 5),                    # ... not looked at when nothing is hashed
+        (ns, tokens, 0, None, 0, None),                # ZeroDivisionError in both
+        (ns, tokens, -4, None, 0, None),
+        (ns, range(40), 4, "r", 1, None),
+        (ns, np.arange(40).reshape(10, 4), 4, None, 0, None),  # 2-D: the reference's bytes
+        (ns, np.arange(40, dtype=np.uint64), 4, None, 0, None),
+        (ns, np.linspace(0, 10, 40), 4, None, 0, None),
+    ]
+    for case in cases:
+        assert outcome(block_hashes, *case) == outcome(_block_hashes_py, *case), case
+
+
+# -------------------------------------------------------------- fallback
+# The children load hashing.py by path, as test_hashing.py does: no torch import.
+CHILD = """
+import importlib.util, json, logging, sys
+logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
+spec = importlib.util.spec_from_file_location("kvc_hashing", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+ns = mod.namespace_hash("model-x", "v3", "s")
+tokens = list(range(-100, 1000))
+out = [h.hex() for h in mod.block_hashes(ns, tokens, 16, extra_key="lora")]
+out += [h.hex() for h in mod.block_hashes(ns, tokens, 16, extra_key="lora")]  # warns once only
+nb = sys.modules.get("_kvcached_native_build")
+print(json.dumps({"hashes": out, "native": mod._native is not None, "error": mod.native_error(),
+                  "compiles": nb.compile_count if nb else None}))
+"""
+
+
+def run_child(**env: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-c", CHILD, hashing.__file__],
+                          env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300, check=True)
+    return json.loads(proc.stdout), proc.stderr
+
+
+def expected_child_hashes() -> list[str]:
+    ns = namespace_hash("model-x", "v3", "s")
+    one = [h.hex() for h in _block_hashes_py(ns, list(range(-100, 1000)), 16, "lora")]
+    return one + one
+
+
+def test_kvcached_no_native_forces_the_python_path(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    out, err = run_child(**env, KVCACHED_NO_NATIVE="1", KVCACHED_CACHE_DIR=str(tmp_path))
+    assert out["native"] is False
+    assert "KVCACHED_NO_NATIVE" in out["error"]
+    assert out["hashes"] == expected_child_hashes()
+    assert "LOG WARNING" not in err  # asked for: nothing to warn about
+    assert list(tmp_path.iterdir()) == []  # and nothing was built
+
+
+@pytest.mark.parametrize("how", ["no_compiler", "build_error"])
+def test_falls_back_with_one_warning_when_it_cannot_build(tmp_path, how):
+    env = {**os.environ, "KVCACHED_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("KVCACHED_NO_NATIVE", None)
+    if how == "no_compiler":
+        empty = tmp_path / "bin"
+        empty.mkdir()
+        env.update(PATH=str(empty), CC="")
+    else:
+        env.update(CC="false")  # found, but every build fails
+    proc = subprocess.run([sys.executable, "-c", CHILD, hashing.__file__], env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(proc.stdout)
+    assert out["native"] is False
+    assert out["error"].startswith("CompilerNotFound" if how == "no_compiler" else "BuildError")
+    assert out["hashes"] == expected_child_hashes()
+    assert proc.stderr.count("LOG WARNING") == 1, proc.stderr
+    assert "native block hashing unavailable" in proc.stderr
+
+
+def test_child_reuses_the_cached_build(native, tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = run_child(KVCACHED_CACHE_DIR=str(cache))
+    again, _ = run_child(KVCACHED_CACHE_DIR=str(cache))
+    assert first["native"] and again["native"]
+    assert first["compiles"] == 1 and again["compiles"] == 0
+    assert first["hashes"] == again["hashes"] == expected_child_hashes()
+    [lib] = cache.glob("kvc_block_hash*.so")
+    assert sysconfig.get_config_var("EXT_SUFFIX").removesuffix(".so") in lib.name
+
+
+# ----------------------------------------------------------------- speed
+def per_block_us(fn, tokens: list[int], bs: int, reps: int = 20) -> float:
+    blocks = len(tokens) // bs
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn(b"\x00" * 16, tokens, bs)
+        best = min(best, (time.perf_counter() - t0) / reps / blocks * 1e6)
+    return best
+
+
+def test_speed_report(native):
+    """Printed, not asserted (shared CI cores): µs per 64-token block, 12,544 tokens."""
+    rng = random.Random(0)
+    tokens = [rng.randrange(0, 128_000) for _ in range(12_544)]
+    assert block_hashes(b"\x00" * 16, tokens, 64) == _block_hashes_py(b"\x00" * 16, tokens, 64)
+    nat = per_block_us(block_hashes, tokens, 64)
+    py = per_block_us(_block_hashes_py, tokens, 64)
+    arr = np.array(tokens)
+    nat_arr = per_block_us(lambda p, t, bs: block_hashes(p, arr, bs), tokens, 64)
+    print(f"\nblock_hashes, 12,544 tokens, 64-token blocks: native {nat:.2f} us/block "
+          f"(numpy array {nat_arr:.2f}), python {py:.2f} us/block, {py / nat:.1f}x")
