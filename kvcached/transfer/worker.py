@@ -263,7 +263,11 @@ class Worker:
 
     # --------------------------------------------------------------- helpers
     def _learn_engine_pid(self) -> None:
-        """The engine owns (and names) the host pools: learn its pid from the run dir."""
+        """The engine owns (and names) the host pools: its pid comes from the command
+        line (spawned workers) or the run dir (workers of `kvcached launch`)."""
+        if self.engine_pid is not None:
+            self.executor.owner_pid = self.engine_pid
+            return
         try:
             pid = int(json.loads((self.run_dir / ENGINE_FILE).read_text())["pid"])
         except (OSError, ValueError, KeyError) as e:
