@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from kvcached.transfer.base import Task, TaskHandle, TaskResult
 from kvcached.transfer.inprocess import InProcessTransfer
 
@@ -50,3 +53,23 @@ def tier_of(mgr, token_ids, extra_key=None):
             break
         out.append((node.state.name, node.gpu, node.cpu))
     return out
+
+
+def wait_for(pred, timeout: float, what: str, step: float = 0.02):
+    """Poll ``pred`` until it is truthy; fail naming ``what`` at the deadline
+    (tests wait on conditions with deadlines, never on luck)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a live process (a zombie counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -28,31 +28,13 @@ import pytest
 import zmq
 from click.testing import CliRunner
 from conftest import toks
+from helpers import pid_alive, wait_for
 
 from kvcached.cli import main
 from kvcached.ctlserver import ControlServer, request
 from kvcached.events import KVEventPublisher, check_endpoint, decode_event
 from kvcached.transfer import protocol as P
 from kvcached.transfer.endpoints import control_endpoint
-
-
-def wait_for(pred, timeout: float, what: str, step: float = 0.02):
-    """Poll ``pred`` until it is truthy; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def pid_alive(pid: int) -> bool:
-    """True for a live process (a zombie counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def children_of(pid: int) -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config, toks
+from helpers import pid_alive, wait_for
 
 from kvcached import NoFreeBlocks, TransferFailed, WorkerLost
 from kvcached.kvshare import attach_kv_cache
@@ -20,29 +21,6 @@ from kvcached.manager import CacheManager
 
 FAST = dict(transfer_mode="workers", heartbeat_interval_s=0.1, worker_timeout_s=1.5,
             engine_timeout_s=3.0, task_timeout_s=5.0, worker_start_timeout_s=60.0)
-
-
-def wait_for(pred, timeout: float, what: str, step: float = 0.02):
-    """Poll ``pred`` until true or fail naming ``what`` (no sleeping on luck)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie child still answers kill(0): check its state.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
