@@ -228,11 +228,23 @@ def _check_list(value: list | tuple, where: str, depth: int, limits: Limits) -> 
     return [_check_value(x, f"{where}[{i}]", depth, limits) for i, x in enumerate(value)]
 
 
+_PLAIN = frozenset({float, bool, bytes, type(None)})  # map values kept as they are
+
+
 def _check_dict(value: dict, where: str, depth: int, limits: Limits) -> dict:
     if len(value) > limits.max_map:
         raise ProtocolError(f"{where}: {len(value)} entries exceed max_map={limits.max_map}")
+    short = limits.max_str >> 2  # a str this short always fits (see _str_fits)
     out = {}
     for key, item in value.items():
+        # Inline fast path for short keys and scalar values (every map on the task
+        # path); anything else, and every error, goes through the full checks.
+        kind = type(item)
+        if type(key) is str and len(key) <= short and (
+                kind in _PLAIN or (kind is int and INT64_MIN <= item <= INT64_MAX)
+                or (kind is str and len(item) <= short)):
+            out[key] = item
+            continue
         if type(key) is not str:
             raise _fail(f"{where} key", "str", key)
         _check_str(key, f"{where} key", limits)

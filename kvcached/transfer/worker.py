@@ -40,6 +40,9 @@ LANE_OF = {"swap_out": "out", "store": "out", "swap_in": "in", "load": "in",
            "lookup": "in", "control": "ctl", "noop": "ctl"}
 HELLO_RETRY_S = 1.0
 INLINE_MAX_BLOCKS = 8  # swaps up to this size run on the socket thread (microseconds)
+# Engine liveness, hello retries and heartbeats run at most this often, not once
+# per message: a busy worker handles frames back to back.
+CHORES_S = 0.01
 
 
 class Lane(threading.Thread):
@@ -95,6 +98,8 @@ class Worker:
         self.lanes = {name: Lane(name, self) for name in ("out", "in", "ctl")}
         self.stop_reason = ""
         self._hb_seq = 0
+        self._ready = False  # the coordinator accepted our hello and we attached
+        self._last_rx = self._last_hello = self._last_hb = 0.0
         self.tasks_done = 0
         self.tasks_failed = 0
 
@@ -127,53 +132,83 @@ class Worker:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
-        ready = False
-        last_rx = last_hello = last_hb = 0.0
+        timeout_ms = max(1, int(self.cfg.heartbeat_interval_s * 1000 / 2))
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        next_chores = 0.0
         errors = 0
-        interval = self.cfg.heartbeat_interval_s
         while True:
             now = time.monotonic()
-            if not self._engine_alive():
-                self.stop_reason = f"engine pid {self.engine_pid} is gone"
-                return 0
-            if ready and now - last_rx > self.cfg.engine_timeout_s:
-                self.stop_reason = f"no word from the engine for {self.cfg.engine_timeout_s}s"
-                return 0
-            if not ready and now - last_hello > HELLO_RETRY_S:
-                try:  # IMMEDIATE + NOBLOCK: hellos never pile up while no engine listens
-                    sock.send(self._hello().encode(), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                last_hello = now
-            if ready and now - last_hb > interval:
-                sock.send(self._heartbeat().encode())
-                last_hb = now
+            if now >= next_chores:
+                if self._chores(sock, now):
+                    return 0
+                next_chores = now + CHORES_S
             try:
-                events = dict(poller.poll(timeout=interval * 1000 / 2))
-                if pull in events:
-                    while pull.poll(0):
-                        lane, done = pull.recv_multipart()
-                        self.lanes[lane.decode()].outstanding -= 1
-                        sock.send(done)
-                if sock in events:
-                    while sock.poll(0):
-                        last_rx = time.monotonic()
-                        verdict = self._on_frame(sock, sock.recv())
-                        if verdict == "ready" and not ready:
-                            # Handshake first (a layout mismatch is named there),
-                            # then attach; tasks wait in the socket meanwhile.
-                            self._learn_engine_pid()
-                            self.executor.open(timeout_s=self.cfg.worker_start_timeout_s)
-                            ready = True
-                        elif verdict == "stop":
-                            return 0
-                        elif verdict == "refused":
-                            return 3
+                if any(lane.outstanding for lane in self.lanes.values()):
+                    code = self._serve_both(poller, sock, pull, timeout_ms)
+                else:
+                    # Hot path: only the coordinator can send anything, and a
+                    # blocking recv costs fewer syscalls than a poller (RCVTIMEO
+                    # brings us back for the chores).
+                    code = self._on_coordinator_frame(sock, sock.recv())
+                if code is not None:
+                    return code
                 errors = 0
+            except zmq.Again:  # RCVTIMEO: nothing arrived
+                pass
             except zmq.ZMQError as e:  # back off: never spin on a broken socket
                 errors += 1
                 logger.error("worker rank %d socket error %s (retry %d)", self.rank, e, errors)
                 time.sleep(min(0.01 * 2 ** errors, 2.0))
+
+    def _serve_both(self, poller: zmq.Poller, sock: zmq.Socket, pull: zmq.Socket,
+                    timeout_ms: int) -> int | None:
+        """A lane owes a Done: wait on the coordinator and on the lanes' reports.
+        One frame per ready socket: while more wait, the next poll returns at once."""
+        for ready_sock, _ in poller.poll(timeout_ms):
+            if ready_sock is pull:
+                lane, done = pull.recv_multipart()
+                self.lanes[lane.decode()].outstanding -= 1
+                sock.send(done)
+            else:
+                code = self._on_coordinator_frame(sock, sock.recv())
+                if code is not None:
+                    return code
+        return None
+
+    def _chores(self, sock: zmq.Socket, now: float) -> bool:
+        """Engine liveness, hello retries and heartbeats; True when the worker must exit."""
+        if not self._engine_alive():
+            self.stop_reason = f"engine pid {self.engine_pid} is gone"
+            return True
+        if self._ready and now - self._last_rx > self.cfg.engine_timeout_s:
+            self.stop_reason = f"no word from the engine for {self.cfg.engine_timeout_s}s"
+            return True
+        if not self._ready and now - self._last_hello > HELLO_RETRY_S:
+            try:  # IMMEDIATE + NOBLOCK: hellos never pile up while no engine listens
+                sock.send(self._hello().encode(), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            self._last_hello = now
+        if self._ready and now - self._last_hb > self.cfg.heartbeat_interval_s:
+            sock.send(self._heartbeat().encode())
+            self._last_hb = now
+        return False
+
+    def _on_coordinator_frame(self, sock: zmq.Socket, raw: bytes) -> int | None:
+        """Handle one frame; an exit code when the worker must stop."""
+        self._last_rx = time.monotonic()
+        verdict = self._on_frame(sock, raw)
+        if verdict == "ready" and not self._ready:
+            # Handshake first (a layout mismatch is named there), then attach;
+            # tasks wait in the socket meanwhile.
+            self._learn_engine_pid()
+            self.executor.open(timeout_s=self.cfg.worker_start_timeout_s)
+            self._ready = True
+        elif verdict == "stop":
+            return 0
+        elif verdict == "refused":
+            return 3
+        return None
 
     def _on_frame(self, sock: zmq.Socket, raw: bytes) -> str:
         try:

@@ -44,6 +44,10 @@ from kvcached.transfer.endpoints import (
 
 logger = logging.getLogger(__name__)
 
+# Liveness checks (Popen.poll per worker), task deadlines, restarts and
+# heartbeats run at most this often, not on every wake-up of the IO thread.
+CHORES_S = 0.005
+
 
 @dataclass
 class _WorkerState:
@@ -144,8 +148,9 @@ class WorkerTransfer(Transfer):
             self._thread.join(timeout=5.0)
         for w in self.workers:
             _stop_process(w.proc, grace_s=3.0)
-        for h in self._drain_outbox():
+        for h in self._drain_outbox() + self._held:  # nothing is left waiting
             h.complete(TaskResult(h.task.task_id, False, "transfer closed"))
+        self._held.clear()
         for inf in self._inflight.values():
             inf.handle.complete(TaskResult(inf.handle.task.task_id, False, "transfer closed"))
         self._inflight.clear()
@@ -196,7 +201,7 @@ class WorkerTransfer(Transfer):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        last_hb = 0.0
+        last_hb = next_chores = 0.0
         interval = self.cfg.heartbeat_interval_s
         try:
             while not self._stop.is_set():
@@ -216,6 +221,9 @@ class WorkerTransfer(Transfer):
                     while self._router.poll(0):
                         self._on_frames(self._router.recv_multipart())
                 now = time.monotonic()
+                if now < next_chores:
+                    continue  # liveness and deadlines: every few ms, not per frame
+                next_chores = now + CHORES_S
                 if now - last_hb > interval:
                     self._send_heartbeats()
                     last_hb = now
