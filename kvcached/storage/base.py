@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -167,7 +168,7 @@ _READ_STATS = ("gets", "hits", "misses", "bytes_read", "puts", "puts_ok",
                "timeouts", "fast_fails")
 
 
-class StorageBackend:
+class StorageBackend(ABC):
     """Base of all backends: guards every call with error handling and the breaker.
 
     Subclasses implement ``_exists``, ``_get_into``, ``_put_from``, ``_delete``,
@@ -247,10 +248,10 @@ class StorageBackend:
         out.update(self._extra_stats())
         return out
 
-    def register_memory(self, buf) -> None:
+    def register_memory(self, buf) -> None:  # noqa: B027 (optional hook)
         """Hint: ``buf`` will be used for zero-copy I/O (Mooncake registers it)."""
 
-    def unregister_memory(self, buf) -> None:
+    def unregister_memory(self, buf) -> None:  # noqa: B027 (optional hook)
         """Undo :meth:`register_memory` before ``buf`` is freed."""
 
     def close(self) -> None:
@@ -307,25 +308,30 @@ class StorageBackend:
             logger.debug("%s storage %s", self.kind, self._last_error)
 
     # ------------------------------------------------------------ hooks
+    @abstractmethod
     def _exists(self, keys: list[str]) -> list[bool]:
-        raise NotImplementedError
+        """Backend-specific; errors raised here are counted by the wrapper."""
 
+    @abstractmethod
     def _get_into(self, keys: list[str], parts: list[list[memoryview]]) -> list[int]:
-        raise NotImplementedError
+        """Backend-specific; errors raised here are counted by the wrapper."""
 
+    @abstractmethod
     def _put_from(self, keys: list[str], parts: list[list[memoryview]]) -> list[bool]:
-        raise NotImplementedError
+        """Backend-specific; errors raised here are counted by the wrapper."""
 
+    @abstractmethod
     def _delete(self, keys: list[str]) -> None:
-        raise NotImplementedError
+        """Backend-specific; errors raised here are counted by the wrapper."""
 
+    @abstractmethod
     def _clear(self) -> None:
-        raise NotImplementedError
+        """Backend-specific; errors raised here are counted by the wrapper."""
 
     def _ping(self) -> bool:
         return True
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing)
         pass
 
     def _extra_stats(self) -> dict:

@@ -98,7 +98,6 @@ class WorkerTransfer(Transfer):
         self._paused = False  # pause/sleep: tasks are held here, in order, until resume
         self._held: list[TaskHandle] = []
         self._hb_seq = 0
-        self.control_handler = None  # set by the manager for `kvcached ctl`
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
