@@ -344,3 +344,19 @@ def test_cleanup_removes_dead_keeps_live(shm_dir, tmp_path, peer):
     kvshare.release_kv_cache(tmp_path, 2)  # we own it: removed with the descriptor
     assert not (shm_dir / kv).exists() and not kvshare.descriptor_path(tmp_path, 2).exists()
     assert shm.remove_segment(live) and not shm.remove_segment(live)
+
+
+def test_export_publishes_the_engines_event_handle(shm_dir, tmp_path):
+    """CUDA engines pass an interprocess event; its handle reaches the descriptor,
+    where the worker opens it so swap-outs wait for the engine's writes."""
+    class FakeEvent:
+        def ipc_handle(self):
+            return bytes(range(64))
+
+    planes = kvshare.allocate_kv_cache(SMALL_LAYOUT, 4, rank=0, run_dir=tmp_path)
+    kvshare.export_kv_cache(planes, 0, tmp_path, event=FakeEvent())
+    desc = kvshare.read_descriptor(tmp_path, 0)
+    assert bytes.fromhex(desc["event_ipc_handle"]) == bytes(range(64))
+    kvshare.export_kv_cache(planes, 0, tmp_path)
+    assert "event_ipc_handle" not in kvshare.read_descriptor(tmp_path, 0)
+    kvshare.release_kv_cache(tmp_path, 0)
