@@ -256,3 +256,29 @@ def test_transfer_failed_is_raised_for_failed_swap_in(workers_manager, monkeypat
         a.wait(timeout=10)
     assert not isinstance(e.value, WorkerLost)
     mgr.check_invariants()
+
+
+def test_cpu_tier_survives_a_worker_crash(workers_manager):
+    """The host pool belongs to the engine: a restarted worker re-attaches to it and
+    blocks swapped out before the crash come back byte for byte."""
+    mgr = workers_manager(tp_size=1, num_gpu_blocks=4, num_cpu_blocks=4)
+    planes = attach_kv_cache(mgr.run_dir, 0)
+    prompt = toks(1, 2, 3)
+    a = mgr.allocate("r1", prompt)
+    for i, b in enumerate(a.block_ids):
+        fill(planes, b, 0, salt=i + 1)
+    mgr.commit("r1", prompt, 12)
+    mgr.free("r1")
+    mgr.allocate("r2", toks(5, 6, tail=1))  # "3", "2" to CPU
+    mgr.free("r2")
+    old = mgr.stats().workers[0]["pid"]
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: mgr.stats().workers[0]["pid"] != old and mgr.transfer.wait_ready(0.1),
+             30, "the worker to restart")
+    c = mgr.allocate("r3", prompt + [0])
+    c.wait(timeout=10)
+    assert c.hit.cpu_tokens == 8 and c.num_cached_tokens == 12
+    for i, blk in enumerate(c.block_ids[:3]):
+        for p, plane in enumerate(planes):
+            assert bool((plane[blk] == (i + 1) * 1000 + p).all()), (i, p)
+    mgr.check_invariants()
