@@ -54,7 +54,7 @@ class CacheConfig:
     engine_timeout_s: float = 10.0
     task_timeout_s: float = 30.0
     max_worker_restarts: int = 3
-    copy_threads: int = 1
+    copy_threads: int = 2
     storage_backend: str | None = "file"
     storage_url: str = ""
     storage_load_policy: str = "best_effort"

@@ -42,6 +42,7 @@ ERR_DEVICE_ID, ERR_HOST_ID = -4, -5  # kvc_cpu_copy codes that carry the index o
 _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None  # why the native library is unavailable: not retried
+SMALL_IDS = 16  # id lists up to this long are checked in plain Python (no numpy)
 
 
 def native_disabled() -> bool:
@@ -116,15 +117,35 @@ class CpuCopyEngine:
 
     def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> int:
         """Copy device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``; returns bytes moved."""
+        if self._small_native(device_ids, host_ids, host_ids, TO_HOST):
+            return len(device_ids) * self.bytes_per_block
         dev, host = self._check_ids(device_ids, host_ids)
         _check_unique(host, "host")
         return self._copy(dev, host, TO_HOST)
 
     def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> int:
         """Copy host blocks ``host_ids[i]`` to device blocks ``device_ids[i]``; returns bytes moved."""
+        if self._small_native(device_ids, host_ids, device_ids, TO_DEVICE):
+            return len(device_ids) * self.bytes_per_block
         dev, host = self._check_ids(device_ids, host_ids)
         _check_unique(dev, "device")
         return self._copy(dev, host, TO_DEVICE)
+
+    def _small_native(self, dev, host, dst, direction: int) -> bool:
+        """Short lists of valid plain ints skip numpy (its fixed cost dominates a
+        1-block task); anything unusual returns False and takes the general path,
+        which checks everything and words the errors."""
+        n = len(dev)
+        if (self.backend != "native" or type(dev) is not list or type(host) is not list
+                or not 0 < n <= SMALL_IDS or len(host) != n or len(set(dst)) != n):
+            return False
+        nd, nh = self.num_device_blocks, self.num_host_blocks
+        for d, h in zip(dev, host):
+            if type(d) is not int or type(h) is not int or not (0 <= d < nd and 0 <= h < nh):
+                return False
+        ids = ctypes.c_int64 * n
+        self._call_native(ids(*dev), ids(*host), n, direction)
+        return True
 
     # ------------------------------------------------------------ validation
     def _check_ids(self, device_ids: Sequence[int], host_ids: Sequence[int]
@@ -174,12 +195,17 @@ class CpuCopyEngine:
                             self.host_block_bytes, self.num_host_blocks)
 
     def _copy_native(self, dev: np.ndarray, host: np.ndarray, direction: int) -> None:
+        self._call_native(dev, host, dev.size, direction)
+
+    def _call_native(self, dev, host, n: int, direction: int) -> None:
+        """``dev``/``host``: int64 ndarrays or ctypes arrays of ``n`` ids."""
         err_index = ctypes.c_int64(-1)  # per call, so threads may share the engine
-        rc = self._lib.kvc_cpu_copy(*self._table_args, dev.ctypes.data, host.ctypes.data,
-                                    dev.size, direction, self.threads,
-                                    ctypes.addressof(err_index))
+        rc = self._lib.kvc_cpu_copy(*self._table_args, _address(dev), _address(host),
+                                    n, direction, self.threads, ctypes.addressof(err_index))
         if rc != 0:
-            raise ValueError(native_error(self._lib, rc, err_index.value, dev, host,
+            raise ValueError(native_error(self._lib, rc, err_index.value,
+                                          np.asarray(dev, dtype=np.int64),
+                                          np.asarray(host, dtype=np.int64),
                                           self.num_device_blocks, self.num_host_blocks))
 
     # ----------------------------------------------------------------- torch
@@ -291,6 +317,10 @@ def _check_offsets(host_offsets: Sequence[int], plane_bytes: list[int],
         if o_b < end_a:
             raise ValueError(f"planes {pa} and {pb} overlap in the host block")
     return offs
+
+
+def _address(ids) -> int:
+    return ids.ctypes.data if isinstance(ids, np.ndarray) else ctypes.addressof(ids)
 
 
 def _as_ids(ids: Sequence[int], side: str) -> np.ndarray:
