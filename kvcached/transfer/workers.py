@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # Liveness checks (Popen.poll per worker), task deadlines, restarts and
 # heartbeats run at most this often, not on every wake-up of the IO thread.
 CHORES_S = 0.005
+CLOSE_LINGER_MS = 200
 
 
 @dataclass
@@ -234,7 +235,9 @@ class WorkerTransfer(Transfer):
             for w in self.workers:
                 if w.ready:
                     self._send(w.rank, P.Shutdown("engine closing").encode())
-            self._router.close()
+            # A short linger so the last words (Shutdown, a refusal) reach the
+            # workers; never long enough to hang a closing engine.
+            self._router.close(linger=CLOSE_LINGER_MS)
 
     def _send(self, rank: int, payload: bytes) -> bool:
         try:
