@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcached.config import CacheConfig
+from kvcached.transfer.worker import EXIT_REFUSED
 
 logger = logging.getLogger(__name__)
 
-EXIT_REFUSED = 3  # the worker's exit code when the coordinator refused its hello
 _PR_SET_PDEATHSIG = 1
 
 

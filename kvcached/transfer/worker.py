@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 LANE_OF = {"swap_out": "out", "store": "out", "swap_in": "in", "load": "in",
            "lookup": "in", "control": "ctl", "noop": "ctl"}
 HELLO_RETRY_S = 1.0
+EXIT_REFUSED = 3  # exit code when the coordinator refused our hello (the launcher reads it)
 INLINE_MAX_BLOCKS = 8  # swaps up to this size run on the socket thread (microseconds)
 # Engine liveness, hello retries and heartbeats run at most this often, not once
 # per message: a busy worker handles frames back to back.
@@ -207,7 +208,7 @@ class Worker:
         elif verdict == "stop":
             return 0
         elif verdict == "refused":
-            return 3
+            return EXIT_REFUSED
         return None
 
     def _on_frame(self, sock: zmq.Socket, raw: bytes) -> str:
