@@ -53,13 +53,16 @@ class EvictionMixin:
         batch: list[Node] = []
         copies: list[Node] = []
         freed = 0
+        lru = self.tree.gpu_lru
+        leaf = None  # the last victim's parent when it became a GPU leaf, not yet listed
         while freed < count:
-            node = self.tree.gpu_lru.pop()
+            node, leaf = lru.push_pop(leaf), None
             if node is None:
                 # Idle blocks still being written through to storage: let them land.
                 if self._wait_background(self.cfg.task_timeout_s + 5.0):
                     continue
                 raise AssertionError("GPU eviction found no leaf although blocks were idle")
+            cpu = None  # a victim with a backup needs no copy: it holds the bytes
             if node.cpu < 0:
                 cpu = self._take_cpu_block() if swap else None
                 if cpu is None and batch:
@@ -73,12 +76,12 @@ class EvictionMixin:
                     self._drop_gpu(node)
                     freed += 1
                     continue
-                self._set(node, Tier.SWAP_OUT, cpu=cpu)
                 copies.append(node)
-            else:
-                self._set(node, Tier.SWAP_OUT)  # the backup already holds the bytes
+            leaf = self._begin_swap_out(node, cpu)
             batch.append(node)
             freed += 1
+        if leaf is not None:
+            lru.add(leaf)
         if batch:
             self._swap_out(batch, copies)
 
@@ -91,11 +94,55 @@ class EvictionMixin:
             if not res.ok:
                 self._rollback_swap_out(batch, copies)
                 raise task_error(res, "swap_out")
-        for n in batch:
-            self._release_gpu(n, Tier.CPU)
+        self._land_swap_out(batch)
         self._counters.evictions["gpu_to_cpu"] += len(copies)
         if len(batch) > len(copies):
             self._counters.evictions["gpu_to_cpu_backup"] += len(batch) - len(copies)
+
+    def _begin_swap_out(self, node: Node, cpu: int | None) -> Node | None:
+        """``_set(node, SWAP_OUT, cpu=cpu)`` for a leaf just popped off the GPU LRU
+        (state GPU, unreferenced, no GPU child): the eviction hot path, with
+        ``_refresh`` of the parent reduced to what can change. ``cpu`` is the
+        new host block, or None when a backup already holds the bytes.
+
+        Returns the parent when it just became a GPU leaf: the caller lists it
+        (``LeafLRU.push_pop`` when it evicts on, else ``add``)."""
+        gpu_lru, cpu_lru = self.tree.gpu_lru, self.tree.cpu_lru
+        if node.gpu_key is not None:  # re-listed when taking its host block dropped a CPU child
+            gpu_lru.discard(node)
+        if cpu is None:
+            if node.cpu_key is not None:
+                cpu_lru.discard(node)  # a backup in flight is not evictable
+        else:
+            node.cpu = cpu
+        node.state = Tier.SWAP_OUT
+        self._n_gpu_idle -= 1
+        if self._events is not None:
+            self._publish_change(node, Tier.GPU, cpu is None)
+        parent = node.parent  # holds a GPU block: GPU is prefix-closed
+        parent.n_gpu_children -= 1  # a SWAP_OUT child no longer keeps it on GPU
+        if cpu is not None:
+            parent.n_cpu_children += 1
+            if parent.cpu_key is not None:
+                cpu_lru.discard(parent)  # no longer a CPU leaf
+        if not (parent.n_gpu_children or parent.ref or parent.busy) \
+                and parent.state is Tier.GPU and parent.parent is not None:
+            return parent  # a GPU leaf now: eviction may take it next
+        return None
+
+    def _land_swap_out(self, batch: list[Node]) -> None:
+        """Every rank holds ``batch`` in host blocks: SWAP_OUT -> CPU, GPU blocks freed
+        (``_release_gpu(n, CPU)`` per node, with the LRU test inlined)."""
+        cpu_lru, events, CPU = self.tree.cpu_lru, self._events, Tier.CPU
+        free_one = self.gpu_pool.free_one
+        for n in batch:
+            free_one(n.gpu)
+            n.gpu = -1
+            n.state = CPU
+            if not (n.n_cpu_children or n.busy or n.ref or n.n_gpu_children):
+                cpu_lru.add(n)  # a CPU leaf now
+            if events is not None:
+                self._publish_change(n, Tier.SWAP_OUT, True)
 
     def _rollback_swap_out(self, batch: list[Node], copies: list[Node]) -> None:
         cpus = [n.cpu for n in copies]
@@ -227,21 +274,6 @@ class EvictionMixin:
         elif node.cpu >= 0:  # still referenced: only a backup's LRU key moves
             self._refresh(node)
 
-    def _ref_path(self, nodes: list[Node]) -> None:
-        """``_ref`` over a request's path (the per-block hot loop of allocate)."""
-        gpu_live, cpu_live = self.tree.gpu_lru._live, self.tree.cpu_lru._live
-        GPU, CPU = Tier.GPU, Tier.CPU
-        idle = 0
-        for n in nodes:
-            n.ref += 1
-            if n.ref == 1:
-                if n.state is GPU:
-                    idle += 1
-                    gpu_live.pop(n, None)  # LeafLRU.discard, inlined
-                elif n.state is CPU:
-                    cpu_live.pop(n, None)
-        self._n_gpu_idle -= idle
-
     def _unref_path(self, nodes: list[Node]) -> None:
         """``_unref`` over a path, deepest first (the per-block hot loop of free)."""
         clock, refresh, GPU = self._clock, self._refresh, Tier.GPU
@@ -249,33 +281,36 @@ class EvictionMixin:
         for n in reversed(nodes):
             n.ref -= 1
             n.last_access = clock
-            if n.ref == 0:
+            if n.ref:
+                if n.cpu < 0 or n.n_cpu_children or n.busy:
+                    continue  # still held, and no backup in the CPU LRU to re-key
+            else:
                 if n.state is GPU:
                     idle += 1
-                    if n.n_gpu_children and n.cpu < 0:
-                        continue  # an inner node without backup sits in no LRU
-                refresh(n)
-            elif n.cpu >= 0:
-                refresh(n)
+                if n.n_gpu_children and (n.cpu < 0 or n.n_cpu_children):
+                    continue  # an inner node: in no LRU, before or after
+            refresh(n)
         self._n_gpu_idle += idle
 
     def _refresh(self, n: Node) -> None:
-        """Put ``n`` in exactly the LRU sets it is evictable from (hot: predicates inlined)."""
+        """Put ``n`` in exactly the LRU sets it is evictable from (hot: predicates
+        and discards inlined; see ``gpu_evictable`` / ``cpu_evictable``)."""
         if n.parent is None:
             return  # the root is never evicted
         tree = self.tree
-        if n.state is Tier.GPU and not (n.ref or n.n_gpu_children or n.busy):
+        state = n.state
+        if state is Tier.GPU and not (n.ref or n.n_gpu_children or n.busy):
             tree.gpu_lru.add(n)
-        else:
-            tree.gpu_lru.discard(n)
-        if n.cpu < 0:
-            tree.cpu_lru.discard(n)
-        elif not (n.n_cpu_children or n.busy) and (
-                n.state is Tier.GPU
-                or (n.state is Tier.CPU and not (n.ref or n.n_gpu_children))):
+        elif n.gpu_key is not None:
+            n.gpu_key = None
+            tree.gpu_lru.size -= 1
+        if n.cpu >= 0 and not (n.n_cpu_children or n.busy) and (
+                state is Tier.GPU
+                or (state is Tier.CPU and not (n.ref or n.n_gpu_children))):
             tree.cpu_lru.add(n)
-        else:
-            tree.cpu_lru.discard(n)
+        elif n.cpu_key is not None:
+            n.cpu_key = None
+            tree.cpu_lru.size -= 1
 
 
 def _subtree(node: Node):

@@ -32,8 +32,17 @@ class FetchMixin:
 
     # ------------------------------------------------------------- swap-in
     def _plan_swap_in(self, req: _Request, nodes: list[Node], gpu_ids: list[int]) -> None:
+        """``_set(nd, SWAP_IN, gpu=g)`` per node, inlined: the nodes are a chain of
+        CPU nodes this request references, so none is in an LRU, before or after,
+        and only the first node's parent sees a new GPU child from outside."""
+        SWAP_IN, events = Tier.SWAP_IN, self._events
         for nd, g in zip(nodes, gpu_ids):
-            self._set(nd, Tier.SWAP_IN, gpu=g)
+            nd.state = SWAP_IN
+            nd.gpu = g
+            nd.parent.n_gpu_children += 1
+            if events is not None:
+                self._publish_change(nd, Tier.CPU, True)
+        self._refresh(nodes[0].parent)
         h = self._submit(Task("swap_in", [nd.cpu for nd in nodes], gpu_ids))
         self._pending[h.task.task_id] = ("swap_in", req, nodes, h)
         req.alloc._handles.append(h)
@@ -122,8 +131,7 @@ class FetchMixin:
         if res.ok and kind == "load":
             ok = min(ok, int(res.result.get("prefix", 0)))
         ok = next((i for i, nd in enumerate(nodes[:ok]) if nd not in alive), ok)
-        for nd in nodes[:ok]:
-            self._set(nd, Tier.GPU)  # the host copy stays as a backup
+        self._land_fetch(nodes[:ok])
         if ok == len(nodes):
             return
         failed = nodes[ok:]
@@ -131,6 +139,17 @@ class FetchMixin:
             self._truncate(req, req.nodes.index(failed[0]), kind,
                            task_error(res, kind) if not res.ok else None)
         self._roll_back(kind, failed, missing=res.ok)
+
+    def _land_fetch(self, nodes: list[Node]) -> None:
+        """SWAP_IN -> GPU for nodes the request still references (``_set`` inlined:
+        no parent counter changes, no GPU LRU); the host copy stays as a backup."""
+        GPU, events, refresh = Tier.GPU, self._events, self._refresh
+        for nd in nodes:
+            nd.state = GPU
+            if events is not None:
+                self._publish_change(nd, Tier.SWAP_IN, True)
+            if not (nd.n_cpu_children or nd.busy):
+                refresh(nd)  # the backup may be a CPU leaf now
 
     def _roll_back(self, kind: str, nodes: list[Node], missing: bool) -> None:
         """Undo unfinished fetches; their GPU blocks already belong to the request."""

@@ -216,17 +216,14 @@ class CacheManager(EvictionMixin, FetchMixin):
             bs = self.block_size
             req = _Request(request_id, extra_key,
                            block_hashes(self._ns, token_ids, bs, extra_key), n)
-            matched = self._match(req.hashes, (n - 1) // bs)
-            n_gpu = next((i for i, nd in enumerate(matched) if nd.state is not Tier.GPU),
-                         len(matched))
+            matched, n_gpu, unlisted = self._match_ref(req.hashes, (n - 1) // bs)
             need = -(-(n + reserve_tokens) // bs) - n_gpu
-            idle_matched = sum(1 for nd in matched[:n_gpu] if nd.ref == 0)
-            avail = self.gpu_pool.num_free + self._n_gpu_idle - idle_matched
+            avail = self.gpu_pool.num_free + self._n_gpu_idle
             if need > avail:
+                self._undo_match_ref(matched, unlisted)
                 self._counters.no_free_blocks += 1
                 raise NoFreeBlocks(need, avail)
             self._clock += 1
-            self._ref_path(matched)
             try:
                 self._make_room(need)
             except BaseException:
@@ -234,16 +231,61 @@ class CacheManager(EvictionMixin, FetchMixin):
                 raise
             return self._finish_allocate(req, matched, n_gpu, self.gpu_pool.allocate(need))
 
-    def _match(self, hashes: list[bytes], limit: int) -> list[Node]:
-        """Longest prefix of ready nodes (GPU or CPU); stops at in-flight nodes."""
+    def _match_ref(self, hashes: list[bytes], limit: int) -> tuple[list[Node], int, list]:
+        """Reference the longest prefix of ready nodes: GPU nodes, then CPU nodes
+        (GPU is prefix-closed); stops at in-flight nodes. One pass: the per-block
+        hot loop of allocate, with ``_ref`` inlined.
+
+        Returns the nodes, how many are on GPU, and the ``(node, lru, key)`` of
+        nodes taken off an LRU (at most the deepest GPU and the deepest CPU
+        node: every other node has a child on the path), for the undo."""
         out: list[Node] = []
         node = self.tree.root
-        for h in hashes[:limit]:
-            node = node.children.get(h)
-            if node is None or not (node.state is Tier.GPU or node.state is Tier.CPU):
+        gpu_lru, cpu_lru = self.tree.gpu_lru, self.tree.cpu_lru
+        unlisted = []
+        idle = 0
+        GPU = Tier.GPU
+        hashes = hashes[:limit]
+        for h in hashes:
+            child = node.children.get(h)
+            if child is None or child.state is not GPU:
                 break
+            if not child.ref:
+                idle += 1
+                if child.gpu_key is not None:
+                    unlisted.append((child, gpu_lru, child.gpu_key))
+                    child.gpu_key = None
+            child.ref += 1
+            out.append(child)
+            node = child
+        n_gpu = len(out)
+        CPU = Tier.CPU
+        for h in hashes[n_gpu:]:
+            node = node.children.get(h)
+            if node is None or node.state is not CPU:
+                break
+            if node.cpu_key is not None:
+                unlisted.append((node, cpu_lru, node.cpu_key))
+                node.cpu_key = None
+            node.ref += 1
             out.append(node)
-        return out
+        self._n_gpu_idle -= idle
+        for _, lru, _ in unlisted:
+            lru.size -= 1
+        return out, n_gpu, unlisted
+
+    def _undo_match_ref(self, nodes: list[Node], unlisted: list) -> None:
+        """Exactly undo ``_match_ref``: the LRU heaps still hold the old keys
+        (lazy deletion, and nothing was added since), so restoring them puts
+        every node back in its place."""
+        GPU = Tier.GPU
+        for n in nodes:
+            n.ref -= 1
+            if n.ref == 0 and n.state is GPU:
+                self._n_gpu_idle += 1
+        for n, lru, key in unlisted:
+            setattr(n, lru.slot, key)
+            lru.size += 1
 
     def _finish_allocate(self, req: _Request, matched: list[Node], n_gpu: int,
                          new: list[int]) -> Allocation:
@@ -252,7 +294,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         bs = self.block_size
         swap = matched[n_gpu:]
         req.blocks = [nd.gpu for nd in matched[:n_gpu]] + new
-        req.nodes = list(matched)
+        req.nodes = matched  # the request owns the list from here on
         req.alloc = Allocation(req.rid, req.blocks, 0, HitInfo(), [], self._wait_allocation)
         if swap:
             self._plan_swap_in(req, swap, new[:len(swap)])
@@ -332,9 +374,7 @@ class CacheManager(EvictionMixin, FetchMixin):
             h = req.hashes[i]
             node = parent.children.get(h)
             if node is None:
-                node = self.tree.add_child(parent, h)
-                node.ref = 1
-                self._set(node, Tier.GPU, gpu=req.blocks[i])
+                node = self._new_gpu_node(parent, h, req.blocks[i])
             elif node.state is Tier.GPU:
                 if node.gpu != req.blocks[i]:
                     self.gpu_pool.free([req.blocks[i]])
@@ -349,6 +389,19 @@ class CacheManager(EvictionMixin, FetchMixin):
                 return
             req.nodes.append(node)
             parent = node
+
+    def _new_gpu_node(self, parent: Node, h: bytes, gpu: int) -> Node:
+        """A node for a block this request just computed (``_set(GPU)`` inlined: it
+        is referenced, so in no LRU, and so is its parent, the request's previous
+        node or the root, so its parent's LRU membership does not change)."""
+        node = self.tree.add_child(parent, h)
+        node.ref = 1
+        node.state = Tier.GPU
+        node.gpu = gpu
+        parent.n_gpu_children += 1
+        if self._events is not None:
+            self._publish_change(node, Tier.STORAGE, False)
+        return node
 
     # ----------------------------------------------------------------- free
     def free(self, request_id: Hashable) -> None:

@@ -26,7 +26,6 @@ discard and pop are O(log n); nothing ever scans all leaves.
 from __future__ import annotations
 
 import heapq
-import itertools
 from enum import IntEnum
 
 
@@ -47,7 +46,8 @@ class Node:
     """One cached block. Plain slots: the tree holds up to millions of these."""
 
     __slots__ = ("hash", "parent", "children", "state", "gpu", "cpu", "in_storage",
-                 "ref", "last_access", "depth", "n_gpu_children", "n_cpu_children", "busy")
+                 "ref", "last_access", "depth", "n_gpu_children", "n_cpu_children", "busy",
+                 "gpu_key", "cpu_key")
 
     def __init__(self, h: bytes, parent: Node | None, depth: int):
         self.hash = h
@@ -65,6 +65,8 @@ class Node:
         self.n_gpu_children = 0
         self.n_cpu_children = 0  # children holding a CPU block
         self.busy = 0  # background tasks (write-through) reading this node's blocks
+        self.gpu_key: int | None = None  # live key in the GPU LRU (LeafLRU), or None
+        self.cpu_key: int | None = None  # live key in the CPU LRU
 
     @property
     def holds_gpu_for_parent(self) -> bool:
@@ -78,54 +80,107 @@ class Node:
 class LeafLRU:
     """Evictable leaves of one tier, oldest first; ties evict the deeper node first.
 
-    A heap of ``(key, node)`` with lazy deletion: ``discard`` only forgets the
-    node's live key; stale heap entries are skipped on pop and the heap is
-    rebuilt when stale entries outnumber live ones (amortised O(log n)).
+    A heap of ``(key, node)`` with lazy deletion. Each node carries its live
+    key in a slot of its own (``slot``: ``gpu_key`` or ``cpu_key``; None when
+    it is not in this set), so membership is one attribute read and discard
+    one write, with no dict on the hot path. Stale heap entries (key no longer
+    the node's) are skipped on pop, and the heap is rebuilt when they
+    outnumber live ones (amortised O(log n)). Keys are single ints, ordered
+    as ``(last_access, -depth, insertion)``: cheaper to compare than tuples,
+    and a heap pop compares ~2 log n times.
     """
 
-    __slots__ = ("_heap", "_live", "_seq")
+    __slots__ = ("slot", "size", "_heap", "_seq")
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, int, int], Node]] = []
-        self._live: dict[Node, tuple[int, int, int]] = {}
-        self._seq = itertools.count()
+    def __init__(self, slot: str) -> None:
+        self.slot = slot
+        self.size = 0  # live nodes
+        self._heap: list[tuple[int, Node]] = []
+        self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._live)
+        return self.size
 
     def __contains__(self, node: Node) -> bool:
-        return node in self._live
+        return getattr(node, self.slot) is not None
 
     def add(self, node: Node) -> None:
         """Insert, or re-key if the node's last_access changed."""
-        key = self._live.get(node)
-        if key is not None and key[0] == node.last_access:
+        slot = self.slot
+        key = getattr(node, slot)
+        if key is None:
+            self.size += 1
+        elif key >> KEY_SHIFT == node.last_access:
             return
-        key = (node.last_access, -node.depth, next(self._seq))
-        self._live[node] = key
+        key = self._next_key(node)
+        setattr(node, slot, key)
         heapq.heappush(self._heap, (key, node))
-        if len(self._heap) > 2 * len(self._live) + 64:
+        if len(self._heap) > 2 * self.size + 64:
             self._compact()
 
+    def push_pop(self, node: Node | None) -> Node | None:
+        """``add(node)`` then ``pop()`` (just ``pop()`` for None). When ``node``
+        would come straight back out, the heap is not touched: eviction walking
+        up a chain (a victim's parent becomes the oldest leaf) takes this path."""
+        if node is None:
+            return self.pop()
+        if getattr(node, self.slot) is None:
+            key = self._next_key(node)
+            heap = self._heap
+            if not heap or key < heap[0][0]:  # older than every entry, live or stale
+                return node
+            setattr(node, self.slot, key)
+            self.size += 1
+            heapq.heappush(heap, (key, node))
+        else:
+            self.add(node)
+        return self.pop()
+
+    def _next_key(self, node: Node) -> int:
+        """``lru_key`` with the next insertion number (inlined: add is hot)."""
+        self._seq = seq = self._seq + 1
+        depth = node.depth if node.depth < _DEPTH_MAX else _DEPTH_MAX
+        return ((node.last_access << KEY_SHIFT) | ((_DEPTH_MAX - depth) << _SEQ_BITS)
+                | (seq & _SEQ_MASK))
+
     def discard(self, node: Node) -> None:
-        self._live.pop(node, None)
+        if getattr(node, self.slot) is not None:
+            setattr(node, self.slot, None)
+            self.size -= 1
 
     def pop(self) -> Node | None:
         """Remove and return the oldest evictable leaf, or None."""
-        heap, live = self._heap, self._live
+        heap, slot, pop = self._heap, self.slot, heapq.heappop
         while heap:
-            key, node = heapq.heappop(heap)
-            if live.get(node) == key:
-                del live[node]
+            key, node = pop(heap)
+            if getattr(node, slot) == key:
+                setattr(node, slot, None)
+                self.size -= 1
                 return node
         return None
 
     def nodes(self) -> set[Node]:
-        return set(self._live)
+        slot = self.slot
+        return {n for k, n in self._heap if getattr(n, slot) == k}
 
     def _compact(self) -> None:
-        self._heap = [(k, n) for n, k in self._live.items()]
+        slot = self.slot
+        self._heap[:] = [(k, n) for k, n in self._heap if getattr(n, slot) == k]
         heapq.heapify(self._heap)
+
+
+# LRU key layout: last_access above 64 bits of (inverted depth, insertion
+# order). Depth saturates and the order wraps far beyond any real run; either
+# would only reorder ties, never break the heap.
+KEY_SHIFT = 64
+_DEPTH_BITS, _SEQ_BITS = 24, 40
+_DEPTH_MAX, _SEQ_MASK = (1 << _DEPTH_BITS) - 1, (1 << _SEQ_BITS) - 1
+
+
+def lru_key(last_access: int, depth: int, seq: int) -> int:
+    """``(last_access, -depth, seq)`` packed into one int that sorts the same way."""
+    inv_depth = _DEPTH_MAX - min(depth, _DEPTH_MAX)
+    return (last_access << KEY_SHIFT) | (inv_depth << _SEQ_BITS) | (seq & _SEQ_MASK)
 
 
 class BlockTree:
@@ -134,8 +189,8 @@ class BlockTree:
     def __init__(self) -> None:
         self.root = Node(b"", None, 0)
         self.root.state = Tier.GPU  # the root is a sentinel that always "holds" everything
-        self.gpu_lru = LeafLRU()
-        self.cpu_lru = LeafLRU()
+        self.gpu_lru = LeafLRU("gpu_key")
+        self.cpu_lru = LeafLRU("cpu_key")
         self.num_nodes = 0
 
     def child(self, parent: Node, h: bytes) -> Node | None:

@@ -39,8 +39,12 @@ def snapshot(mgr) -> tuple:
                    for n in mgr.tree.walk())
     reqs = sorted((str(r.rid), tuple(r.blocks), len(r.nodes)) for r in mgr._reqs.values())
     return (mgr.gpu_pool.free_ids(), mgr.cpu_pool.free_ids(), nodes, reqs,
-            sorted(n.hash for n in mgr.tree.gpu_lru.nodes()),
-            sorted(n.hash for n in mgr.tree.cpu_lru.nodes()))
+            lru_order(mgr.tree.gpu_lru), lru_order(mgr.tree.cpu_lru))
+
+
+def lru_order(lru) -> list[bytes]:
+    """The hashes of an LRU's nodes in the order eviction would take them."""
+    return [n.hash for n in sorted(lru.nodes(), key=lambda n: getattr(n, lru.slot))]
 
 
 def tier_of(mgr, token_ids, extra_key=None):

@@ -152,6 +152,116 @@ def test_known_answers_against_hashlib(native):
     assert native.chain(ns, tokens, 64, b"", 0, len(want)) == want
 
 
+# ------------------------------------------------------- compress impls
+# The extension picks its BLAKE2b compress at import (AVX-512VL, AVX2 or
+# portable C, by what the CPU runs); set_impl switches it process-wide. Every
+# impl this machine runs is checked against the reference, not only the pick.
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.fixture
+def each_impl(native):
+    """Runs the test body once per impl (a generator of names), then restores the pick."""
+    def names():
+        for name in native.impls():
+            native.set_impl(name)
+            assert native.impl() == name
+            yield name
+    before = native.impl()
+    try:
+        yield names
+    finally:
+        native.set_impl(before)
+
+
+def test_every_impl_matches_the_reference_at_every_alignment(native, each_impl):
+    """Prefix (parent || extra) lengths 16..316 put the tokens at every byte
+    offset of a 128-byte block, so tokens straddle blocks in every way."""
+    rng = random.Random(7)
+    ns = namespace_hash("model", "v1", "salt")
+    cases = []
+    for extra_len in range(0, 301):
+        bs = (1, 2, 16, 64, 128)[extra_len % 5]
+        n = bs * rng.randrange(1, 5) + rng.randrange(bs)  # a partial tail block too
+        tokens = random_tokens(rng, n)
+        parent = ns if extra_len % 3 else os.urandom(rng.randrange(0, 300))
+        extra = bytes(rng.randrange(256) for _ in range(extra_len))
+        cases.append((parent, tokens, bs, extra))
+    for name in each_impl():
+        for parent, tokens, bs, extra in cases:
+            want = _block_hashes_py(parent, tokens, bs, extra)
+            full = len(tokens) // bs
+            arr = np.array(tokens, dtype=np.int64)
+            for data in (tokens, tuple(tokens), arr):
+                assert native.chain(parent, data, bs, extra, 0, full) == want, \
+                    (name, len(parent), len(extra), bs, type(data).__name__)
+            assert block_hashes(parent, tokens, bs, extra) == want, name
+            if full > 1:  # resumed mid-chain, as the manager does
+                assert native.chain(want[0], arr, bs, extra, 1, full) == want[1:], name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_impl_matches_on_random_prompts(native, each_impl, seed):
+    rng = random.Random(100 + seed)
+    ns = namespace_hash("m", str(seed))
+    inputs = []
+    for _ in range(25):
+        n = rng.choice([rng.randrange(0, 300), rng.randrange(0, 13_000)])
+        bs = rng.choice((1, 2, 16, 64, 128))
+        data = as_input(rng, random_tokens(rng, n))  # lists, tuples, arrays of a few layouts
+        extra = rng.choice(EXTRA_KEYS)
+        inputs.append((data, bs, extra, _block_hashes_py(ns, data, bs, extra)))
+    for name in each_impl():
+        for data, bs, extra, want in inputs:
+            assert block_hashes(ns, data, bs, extra) == want, (name, len(data), bs, extra)
+
+
+def test_impl_selection(native):
+    impls = native.impls()
+    assert impls[-1] == "portable" and len(set(impls)) == len(impls)
+    assert set(impls) <= {"avx512", "avx2", "portable"}
+    flags = cpu_flags()
+    if sys.platform == "linux" and os.uname().machine == "x86_64":
+        assert ("avx512" in impls) == ({"avx512f", "avx512vl"} <= flags), (impls, flags)
+        assert ("avx2" in impls) == ("avx2" in flags), (impls, flags)
+    else:
+        assert impls == ("portable",)
+    # A fresh process picks the best one this CPU runs.
+    code = ("import importlib.util, sys, json\n"
+            "spec = importlib.util.spec_from_file_location('kvc_hashing', sys.argv[1])\n"
+            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+            "nat = mod.load_native()\n"
+            "print(json.dumps([nat.impl(), list(nat.impls())]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, hashing.__file__], capture_output=True,
+                          text=True, timeout=300, check=True)
+    picked, listed = json.loads(proc.stdout)
+    assert listed == list(impls) and picked == impls[0]
+
+
+def test_set_impl_switches_and_rejects_bad_names(native):
+    before = native.impl()
+    try:
+        assert native.set_impl("portable") == before
+        assert native.impl() == "portable"
+        assert native.set_impl(before) == "portable"
+        assert native.impl() == before
+        with pytest.raises(ValueError, match="unknown or unsupported"):
+            native.set_impl("sse9")
+        with pytest.raises(TypeError, match="str"):
+            native.set_impl(2)
+        assert native.impl() == before  # a failed switch changes nothing
+    finally:
+        native.set_impl(before)
+
+
 # ---------------------------------------------------------------- errors
 def outcome(fn, *args):
     try:

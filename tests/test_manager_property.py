@@ -11,7 +11,7 @@ import tempfile
 
 import hypothesis.strategies as st
 from conftest import tiny_config
-from helpers import FlakyTransfer
+from helpers import FlakyTransfer, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -45,9 +45,13 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(tokens=prompts, reserve=st.integers(0, 6))
     def allocate(self, tokens, reserve):
         rid, self.next_id = self.next_id, self.next_id + 1
+        before = snapshot(self.mgr)
         try:
             a = self.mgr.allocate(rid, tokens, reserve_tokens=reserve)
-        except (NoFreeBlocks, TransferFailed):
+        except NoFreeBlocks:
+            assert snapshot(self.mgr) == before  # including every LRU's order
+            return
+        except TransferFailed:
             return
         assert len(a.block_ids) == -(-(len(tokens) + reserve) // BS)
         assert a.num_cached_tokens <= len(tokens) - 1
