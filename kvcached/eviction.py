@@ -73,7 +73,7 @@ class EvictionMixin:
                     batch, copies = [], []
                     continue
                 if cpu is None:
-                    self._drop_gpu(node)
+                    leaf = self._drop_gpu_leaf(node)
                     freed += 1
                     continue
                 copies.append(node)
@@ -125,10 +125,7 @@ class EvictionMixin:
             parent.n_cpu_children += 1
             if parent.cpu_key is not None:
                 cpu_lru.discard(parent)  # no longer a CPU leaf
-        if not (parent.n_gpu_children or parent.ref or parent.busy) \
-                and parent.state is Tier.GPU and parent.parent is not None:
-            return parent  # a GPU leaf now: eviction may take it next
-        return None
+        return parent if _new_gpu_leaf(parent) else None
 
     def _land_swap_out(self, batch: list[Node]) -> None:
         """Every rank holds ``batch`` in host blocks: SWAP_OUT -> CPU, GPU blocks freed
@@ -170,6 +167,25 @@ class EvictionMixin:
         self._counters.evictions["gpu_dropped"] += 1
         if not node.in_storage:
             self._remove(node)
+
+    def _drop_gpu_leaf(self, node: Node) -> Node | None:
+        """``_drop_gpu`` for a leaf just popped off the GPU LRU, with no CPU copy
+        (the eviction hot path without a CPU tier). Returns the parent when it
+        just became a GPU leaf, as ``_begin_swap_out`` does."""
+        if node.gpu_key is not None:  # re-listed meanwhile (see _begin_swap_out)
+            self.tree.gpu_lru.discard(node)
+        self.gpu_pool.free_one(node.gpu)
+        node.gpu = -1
+        node.state = Tier.STORAGE
+        self._n_gpu_idle -= 1
+        if self._events is not None:
+            self._publish_change(node, Tier.GPU, False)
+        self._counters.evictions["gpu_dropped"] += 1
+        parent = node.parent
+        parent.n_gpu_children -= 1
+        if not node.in_storage:
+            self._remove(node)
+        return parent if _new_gpu_leaf(parent) else None
 
     def _remove(self, node: Node) -> None:
         """Unlink a node that holds no copy; CPU copies below it (unreachable
@@ -311,6 +327,13 @@ class EvictionMixin:
         elif n.cpu_key is not None:
             n.cpu_key = None
             tree.cpu_lru.size -= 1
+
+
+def _new_gpu_leaf(parent: Node) -> bool:
+    """Whether ``parent``, which just lost a GPU child, is now an evictable GPU
+    leaf (``gpu_evictable``, knowing it holds a GPU block; never the root)."""
+    return not (parent.n_gpu_children or parent.ref or parent.busy) \
+        and parent.state is Tier.GPU and parent.parent is not None
 
 
 def _subtree(node: Node):
