@@ -490,6 +490,54 @@ def test_frame_over_limit_rejected_without_unpacking(monkeypatch):
     rejects(b"\x00" * (9 << 20), match="exceeds max_frame_bytes")
 
 
+def full_checks(cls: type[Message], fields: dict) -> Message:
+    """Build ``cls`` from wire ``fields`` through the per-field checks only (no quick path)."""
+    msg = cls(*[check(fields[key], where, BOUNDED) for _, key, where, check in cls._SPEC])
+    if cls is Task:
+        protocol._check_task(msg, BOUNDED)
+    return msg
+
+
+quick_ids = st.lists(st.integers(-2, 25), max_size=3) | st.lists(
+    st.integers(-2, 25) | st.booleans() | st.floats(0, 3) | st.none(), max_size=3)
+quick_values = (st.integers(-(1 << 64), 1 << 64) | st.booleans() | st.floats(allow_nan=False)
+                | st.text(max_size=2) | st.none() | st.lists(st.integers(), max_size=1))
+# Mostly the right type, sometimes anything: the quick checks see both often.
+quick_ints, quick_bools, quick_floats, quick_texts = (
+    st.one_of(right, right, quick_values) for right in (
+        st.integers(-(1 << 64), 1 << 64), st.booleans(), st.floats(allow_nan=False),
+        st.text(max_size=2)))
+
+
+@FUZZ
+@given(st.sampled_from(["swap_out", "swap_in", "noop", "store", "bogus", 3]), quick_ints,
+       quick_ids, quick_ids, st.dictionaries(st.text(max_size=2), quick_values, max_size=1))
+def test_quick_task_check_passes_only_what_the_full_checks_accept(kind, task_id, src, dst, args):
+    fields = {"task_id": task_id, "task_kind": kind, "src": src, "dst": dst, "args": args}
+    if protocol._quick_task(fields, BOUNDED):
+        assert_same(decode(pack({"v": 1, "kind": "task", **fields}), BOUNDED),
+                    full_checks(Task, fields))
+
+
+@FUZZ
+@given(quick_ints, quick_ints, quick_bools, quick_texts, quick_floats,
+       st.dictionaries(st.text(max_size=2) | st.integers(0, 2), quick_values, max_size=2))
+def test_quick_done_check_passes_only_what_the_full_checks_accept(task_id, rank, ok, error,
+                                                                   elapsed, result):
+    fields = {"task_id": task_id, "rank": rank, "ok": ok, "error": error, "blocks_done": rank,
+              "elapsed_s": elapsed, "result": result}
+    if protocol._quick_done(fields, BOUNDED):
+        assert_same(decode(pack({"v": 1, "kind": "done", **fields}), BOUNDED),
+                    full_checks(Done, fields))
+
+
+def test_the_hot_messages_take_the_quick_path():
+    """A 1-block swap and its answer: the shapes every task puts on the wire."""
+    task = wire(Task(5, "swap_out", [3], [4]))
+    done = wire(Done(5, 1, elapsed_s=1e-4, result={"bytes": 64, "copy_s": 1e-5}))
+    assert protocol._quick_task(task, BOUNDED) and protocol._quick_done(done, BOUNDED)
+
+
 def test_encode_refuses_what_the_receiver_would_reject():
     with pytest.raises(ProtocolError, match="hello.rank: expected int, got bool"):
         encode(Hello(True, 1, 1, "d", 1, 1))

@@ -483,11 +483,80 @@ def _check_task(task: Task, limits: Limits) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Quick checks for the two messages of every task (task and done, one per
+# rank each way). They pass only the plain common case, in one pass with no
+# call per field; anything else (False) takes the full checks above, which
+# decide every rejection and word every error.
+
+_NO_BOUND = INT64_MAX + 1
+_QUICK_TASK_KINDS = frozenset({"swap_out", "swap_in", "noop"})
+
+
+def _bounds(kind: str, limits: Limits) -> tuple[int, int]:
+    """Exclusive upper bounds of (src, dst) ids for a quick task kind."""
+    if kind == "noop":
+        return _NO_BOUND, _NO_BOUND
+    dev = _NO_BOUND if limits.num_device_blocks is None else limits.num_device_blocks
+    host = _NO_BOUND if limits.num_host_blocks is None else limits.num_host_blocks
+    return (dev, host) if kind == "swap_out" else (host, dev)
+
+
+def _ids_within(ids: list, bound: int) -> bool:
+    return not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < bound)
+
+
+def _quick_task(wire: dict[str, Any], limits: Limits) -> bool:
+    """A swap or noop with equal-length id lists and no args."""
+    task_id, kind, src, dst, args = (wire["task_id"], wire["task_kind"], wire["src"],
+                                     wire["dst"], wire["args"])
+    if (type(task_id) is not int or not INT64_MIN <= task_id <= INT64_MAX
+            or type(kind) is not str or kind not in _QUICK_TASK_KINDS
+            or type(args) is not dict or args or type(src) is not list
+            or type(dst) is not list or len(src) != len(dst) or len(src) > limits.max_ids):
+        return False
+    src_bound, dst_bound = _bounds(kind, limits)
+    return _ids_within(src, src_bound) and _ids_within(dst, dst_bound)
+
+
+_PLAIN_RESULT = frozenset({int, float, bool})
+
+
+def _quick_done(wire: dict[str, Any], limits: Limits) -> bool:
+    """Ints within int64, a float elapsed time, a short error and a flat result map
+    of short keys and numbers."""
+    task_id, rank, blocks = wire["task_id"], wire["rank"], wire["blocks_done"]
+    error, result = wire["error"], wire["result"]
+    if (type(task_id) is not int or type(rank) is not int or type(blocks) is not int
+            or type(wire["ok"]) is not bool or type(error) is not str
+            or type(wire["elapsed_s"]) is not float or type(result) is not dict
+            or len(error) > limits.max_str >> 2 or len(result) > limits.max_map
+            or min(task_id, rank, blocks) < INT64_MIN or max(task_id, rank, blocks) > INT64_MAX):
+        return False
+    short = limits.max_str >> 2
+    for key, value in result.items():
+        if (type(key) is not str or len(key) > short or type(value) not in _PLAIN_RESULT
+                or (type(value) is int and not INT64_MIN <= value <= INT64_MAX)):
+            return False
+    return True
+
+
+_QUICK: dict[type, Callable[[dict[str, Any], Limits], bool]] = {
+    Task: _quick_task, Done: _quick_done}
+
+
+# ---------------------------------------------------------------------------
 # encode / decode
 
 
 def _to_wire(msg: Message, limits: Limits) -> dict[str, Any]:
-    wire: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
+    quick = _QUICK.get(type(msg))
+    if quick is not None:
+        wire = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
+        for attr, key, _, _ in msg._SPEC:
+            wire[key] = getattr(msg, attr)
+        if quick(wire, limits):
+            return wire
+    wire = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
     for attr, key, where, check in msg._SPEC:
         wire[key] = check(getattr(msg, attr), where, limits)
     if type(msg) is Task:
@@ -517,7 +586,7 @@ def encode(msg: Message, limits: Limits | None = None) -> bytes:
 
 def _unpack(raw: Any, limits: Limits) -> Any:
     try:
-        size = memoryview(raw).nbytes
+        size = len(raw) if type(raw) is bytes else memoryview(raw).nbytes
     except TypeError:
         raise ProtocolError(f"frame must be bytes-like, got {_type_name(raw)}") from None
     if size > limits.max_frame_bytes:
@@ -580,6 +649,9 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
     if len(obj) != len(cls._KEYS) or not obj.keys() <= cls._KEYS:
         _check_keys_exact(obj, cls, task_id)
     try:
+        quick = _QUICK.get(cls)
+        if quick is not None and quick(obj, limits):
+            return cls(*[obj[key] for _, key, _, _ in cls._SPEC])
         msg = cls(*[check(obj[key], where, limits) for _, key, where, check in cls._SPEC])
         if cls is Task:
             _check_task(msg, limits)

@@ -97,6 +97,7 @@ class Worker:
         self.paused = False  # informational: the coordinator holds tasks while paused
         self._idle = threading.Condition()
         self.lanes = {name: Lane(name, self) for name in ("out", "in", "ctl")}
+        self._owed = 0  # sum of the lanes' outstanding: one check per message
         self.stop_reason = ""
         self._hb_seq = 0
         self._ready = False  # the coordinator accepted our hello and we attached
@@ -144,7 +145,7 @@ class Worker:
                     return 0
                 next_chores = now + CHORES_S
             try:
-                if any(lane.outstanding for lane in self.lanes.values()):
+                if self._owed:
                     code = self._serve_both(poller, sock, pull, timeout_ms)
                 else:
                     # Hot path: only the coordinator can send anything, and a
@@ -169,6 +170,7 @@ class Worker:
             if ready_sock is pull:
                 lane, done = pull.recv_multipart()
                 self.lanes[lane.decode()].outstanding -= 1
+                self._owed -= 1
                 sock.send(done)
             else:
                 code = self._on_coordinator_frame(sock, sock.recv())
@@ -221,12 +223,13 @@ class Worker:
             else:
                 sock.send(P.ErrorReply.from_exception(e).encode())
             return ""
-        if isinstance(msg, P.Task):
+        if type(msg) is P.Task:
             lane = self.lanes[LANE_OF[msg.kind]]
             if self._inline_ok(msg, lane):
                 sock.send(self.execute(msg).encode())  # no thread hand-offs
             else:
                 lane.outstanding += 1
+                self._owed += 1
                 lane.tasks.put(msg)
         elif isinstance(msg, P.Ready):
             if not msg.ok:

@@ -17,10 +17,10 @@ and the manager switches its CPU tier off.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 # heartbeats run at most this often, not on every wake-up of the IO thread.
 CHORES_S = 0.005
 CLOSE_LINGER_MS = 200
+# Plain ints: the IntFlag members of pyzmq cost an enum operation per use.
+_POLLIN, _SNDMORE, _EVENTS, _RCVMORE = (int(f) for f in (zmq.POLLIN, zmq.SNDMORE, zmq.EVENTS,
+                                                         zmq.RCVMORE))
 
 
 @dataclass
@@ -89,7 +92,12 @@ class WorkerTransfer(Transfer):
         self.limits = P.Limits(num_device_blocks=cfg.num_gpu_blocks,
                                num_host_blocks=max(cfg.num_cpu_blocks, 1))
         self._ctx = zmq.Context.instance()
-        self._outbox: queue.Queue[TaskHandle] = queue.Queue()
+        self._idents = [f"rank-{w.rank}".encode() for w in self.workers]
+        self._rank_by_ident = {ident: rank for rank, ident in enumerate(self._idents)}
+        self._all_ranks = frozenset(w.rank for w in self.workers)
+        # deque.append / popleft are atomic: the queue between the submitting
+        # threads and the IO thread, without Queue's lock and condition.
+        self._outbox: collections.deque[TaskHandle] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         self._inflight: dict[int, _Inflight] = {}
         self._ready_cv = threading.Condition()
@@ -178,7 +186,7 @@ class WorkerTransfer(Transfer):
             handle.complete(TaskResult(task.task_id, False, f"ranks {down} are not ready",
                                        lost=True))
             return handle
-        self._outbox.put(handle)
+        self._outbox.append(handle)
         self._wake()
         return handle
 
@@ -190,36 +198,29 @@ class WorkerTransfer(Transfer):
 
     def _drain_outbox(self) -> list[TaskHandle]:
         out = []
-        while True:
-            try:
-                out.append(self._outbox.get_nowait())
-            except queue.Empty:
-                return out
+        while self._outbox:
+            out.append(self._outbox.popleft())
+        return out
 
     # ------------------------------------------------------------- IO thread
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        # zmq_poll on a prebuilt list: the Poller wrapper costs more per call.
+        items = [(self._router, _POLLIN), (self._wake_r, _POLLIN)]
         last_hb = next_chores = 0.0
         interval = self.cfg.heartbeat_interval_s
+        timeout_ms = max(1, int(interval * 1000 / 2))
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(timeout=interval * 1000 / 2))
-                if self._wake_r in events:
-                    os.read(self._wake_r, 4096)
-                    for h in self._drain_outbox():
-                        if self._paused and h.task.kind != "control":
-                            self._held.append(h)
-                        else:
-                            self._send_task(h)
+                for ready, _ in zmq.zmq_poll(items, timeout_ms):
+                    if ready is self._wake_r:
+                        os.read(self._wake_r, 4096)
+                        self._take_outbox()
+                    else:
+                        self._recv_all()
                 if self._held and not self._paused:
                     held, self._held = self._held, []
                     for h in held:
                         self._send_task(h)
-                if self._router in events:
-                    while self._router.poll(0):
-                        self._on_frames(self._router.recv_multipart())
                 now = time.monotonic()
                 if now < next_chores:
                     continue  # liveness and deadlines: every few ms, not per frame
@@ -239,9 +240,28 @@ class WorkerTransfer(Transfer):
             # workers; never long enough to hang a closing engine.
             self._router.close(linger=CLOSE_LINGER_MS)
 
+    def _take_outbox(self) -> None:
+        while self._outbox:
+            h = self._outbox.popleft()
+            if self._paused and h.task.kind != "control":
+                self._held.append(h)
+            else:
+                self._send_task(h)
+
+    def _recv_all(self) -> None:
+        """Handle every message waiting on the ROUTER (EVENTS is cheaper than a poll)."""
+        router = self._router
+        while router.getsockopt(_EVENTS) & _POLLIN:
+            frames = [router.recv(), router.recv()]  # a ROUTER message: identity + >= 1 frame
+            while router.getsockopt(_RCVMORE):
+                frames.append(router.recv())
+            self._on_frames(frames)
+
     def _send(self, rank: int, payload: bytes) -> bool:
         try:
-            self._router.send_multipart([f"rank-{rank}".encode(), payload])
+            # Two plain sends: send_multipart type-checks each frame in Python.
+            self._router.send(self._idents[rank], _SNDMORE)
+            self._router.send(payload)
             return True
         except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
             self._lose(rank, f"send failed: {e}")
@@ -250,7 +270,7 @@ class WorkerTransfer(Transfer):
     def _send_task(self, h: TaskHandle) -> None:
         t = h.task
         now = time.monotonic()
-        inf = _Inflight(h, {w.rank for w in self.workers}, now, now + self.cfg.task_timeout_s)
+        inf = _Inflight(h, set(self._all_ranks), now, now + self.cfg.task_timeout_s)
         self._inflight[t.task_id] = inf
         try:
             payload = P.Task(t.task_id, t.kind, t.src, t.dst, t.args).encode(self.limits)
@@ -274,7 +294,7 @@ class WorkerTransfer(Transfer):
     # -------------------------------------------------------------- receiving
     def _on_frames(self, frames: list[bytes]) -> None:
         ident = frames[0] if frames else b""
-        rank = _rank_of(ident, len(self.workers))
+        rank = self._rank_by_ident.get(ident)
         if len(frames) != 2 or rank is None:
             logger.warning("coordinator: dropping a frame from unknown peer %r", ident[:32])
             self._reply_error(ident, "expected [identity rank-<r>, one msgpack frame]")
@@ -287,13 +307,13 @@ class WorkerTransfer(Transfer):
             return
         w = self.workers[rank]
         w.last_seen = time.monotonic()
-        if isinstance(msg, P.Hello):
-            self._on_hello(w, msg)
-        elif isinstance(msg, P.Done):
+        if type(msg) is P.Done:  # the common case first
             inf = self._inflight.get(msg.task_id)
             if inf is not None and msg.rank == rank:
                 self._rank_answered(inf, rank, msg.ok, msg.error, result=msg.result,
                                     elapsed=msg.elapsed_s)
+        elif isinstance(msg, P.Hello):
+            self._on_hello(w, msg)
         elif isinstance(msg, P.Heartbeat):
             w.info = msg.info
         elif isinstance(msg, P.ErrorReply):
@@ -459,16 +479,6 @@ class WorkerTransfer(Transfer):
                     return False
                 self._ready_cv.wait(min(left, 0.1))
         return True
-
-
-def _rank_of(ident: bytes, tp: int) -> int | None:
-    if not ident.startswith(b"rank-"):
-        return None
-    try:
-        rank = int(ident[5:])
-    except ValueError:
-        return None
-    return rank if 0 <= rank < tp else None
 
 
 def _kill_pid(pid: int) -> None:
