@@ -267,10 +267,11 @@ def test_commit_before_wait_is_refused(make_manager):
     serve(mgr, "r1", toks(1, 2, 3))
     serve(mgr, "r2", toks(5, 6, tail=1))
     a = mgr.allocate("r3", toks(1, 2, 3, tail=1))
-    a._handles[0]._event.clear()  # pretend the swap-in is still running
+    h = a._handles[0]
+    result, h.result = h.result, None  # pretend the swap-in is still running
     with pytest.raises(RuntimeError, match="wait"):
         mgr.commit("r3", toks(1, 2, 3, tail=1), 13)
-    a._handles[0]._event.set()
+    h.result = result
 
 
 def test_request_errors(make_manager):

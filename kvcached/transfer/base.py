@@ -48,29 +48,46 @@ class TaskResult:
 
 
 class TaskHandle:
-    """A future for one task; completed exactly once by the transfer."""
+    """A future for one task; completed exactly once by the transfer.
 
-    __slots__ = ("task", "result", "_event", "_sink")
+    Waiting is on a plain lock held from creation until completion: cheaper to
+    create and to wake than a ``threading.Event`` (a Condition over a lock),
+    and a task is created and waited on for every swap. A waiter that gets
+    the lock hands it straight back, so every waiter (and every later wait)
+    passes.
+    """
+
+    __slots__ = ("task", "result", "_pending", "_sink")
 
     def __init__(self, task: Task, sink: collections.deque):
         self.task = task
         self.result: TaskResult | None = None
-        self._event = threading.Event()
+        self._pending = threading.Lock()  # the C lock itself: no Python wrapper
+        self._pending.acquire()  # released by complete()
         self._sink = sink
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self.result is not None
 
     def wait(self, timeout: float | None = None) -> bool:
         """True when completed within ``timeout`` seconds."""
-        return self._event.wait(timeout)
+        if self.result is not None:
+            return True
+        got = self._pending.acquire(True, -1 if timeout is None else max(timeout, 0.0))
+        if got:
+            self._pending.release()
+        return got
 
     def complete(self, result: TaskResult) -> None:
-        if self._event.is_set():
-            return  # a late answer after a failure was already reported
-        self.result = result
+        with _complete_lock:  # the IO thread and close() may race to complete
+            if self.result is not None:
+                return  # a late answer after a failure was already reported
+            self.result = result
         self._sink.append(self)  # deque.append is atomic: safe from any thread
-        self._event.set()
+        self._pending.release()
+
+
+_complete_lock = threading.Lock()
 
 
 class Transfer(ABC):
