@@ -49,6 +49,23 @@ typedef struct {
     int32_t direction;
 } kvc_task;
 
+/* Everything about an engine that does not change between calls, built once
+ * by the Python wrapper: a call then passes one pointer instead of nine
+ * arguments (ctypes converts every argument on every call). Field order and
+ * types are mirrored by _CpuEngine in kvcached/copy/cpu.py. */
+typedef struct {
+    const uint64_t* plane_ptrs;
+    const int64_t* plane_stride_bytes;
+    const int64_t* plane_bytes;
+    const int64_t* host_offsets;
+    int64_t num_planes;
+    int64_t num_device_blocks;
+    uint8_t* host;
+    int64_t host_block_bytes;
+    int64_t num_host_blocks;
+    int64_t num_threads;
+} kvc_cpu_engine;
+
 typedef struct {
     const kvc_task* task;
     int64_t begin; /* flattened (pair, plane) item range [begin, end) */
@@ -185,4 +202,24 @@ int kvc_cpu_copy(const uint64_t* plane_ptrs, const int64_t* plane_stride_bytes,
         run_threaded(&t, n * num_planes, threads);
     }
     return KVC_OK;
+}
+
+/* kvc_cpu_copy with the engine's tables taken from *e; the same checks and
+ * codes. n and direction are int64_t so callers can pass any integer. */
+int kvc_cpu_engine_copy(const kvc_cpu_engine* e, const int64_t* device_ids,
+                        const int64_t* host_ids, int64_t n, int64_t direction,
+                        int64_t* err_index) {
+    int64_t scratch;
+    if (err_index == NULL) err_index = &scratch;
+    *err_index = -1;
+    if (e == NULL) return KVC_ERR_NULL;
+    if (direction != KVC_DIR_TO_HOST && direction != KVC_DIR_TO_DEVICE) return KVC_ERR_DIRECTION;
+    if (e->num_planes <= 0 || e->num_planes > INT32_MAX || e->num_threads < 1
+        || e->num_threads > INT32_MAX) {
+        return KVC_ERR_ARG;
+    }
+    return kvc_cpu_copy(e->plane_ptrs, e->plane_stride_bytes, e->plane_bytes, e->host_offsets,
+                        (int32_t)e->num_planes, e->num_device_blocks, e->host,
+                        e->host_block_bytes, e->num_host_blocks, device_ids, host_ids, n,
+                        (int32_t)direction, (int32_t)e->num_threads, err_index);
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -149,10 +150,11 @@ def test_empty_task_moves_nothing(backend):
     assert torch.equal(host, before)
 
 
+@pytest.mark.parametrize("n", [cpu.SMALL_IDS, 33])  # the short-list path and the numpy path
 @pytest.mark.parametrize("threads", [2, 3])
-def test_threads_give_the_same_bytes(backend, threads):
+def test_threads_give_the_same_bytes(backend, threads, n):
     planes, rng = make_planes(BIG, 40), np.random.default_rng(3)
-    dev_ids, host_ids = pick_ids(rng, "random", 40, 40, 33)  # 4 MiB: the C side splits it
+    dev_ids, host_ids = pick_ids(rng, "random", 40, 40, n)  # 2-4 MiB: the C side splits it
     hosts = []
     for t in (1, threads):
         host = torch.zeros(40, BIG.block_bytes, dtype=torch.uint8)
@@ -194,6 +196,104 @@ def test_bad_ids_raise_and_touch_nothing(backend, case, direction):
             eng.swap_in(hst, dev)
     assert torch.equal(host, host_before)
     assert_planes_equal(planes, planes_before)
+
+
+# Ids the short-list path must not hand to ctypes, which would wrap 2**64 + 1
+# to 1 or take True as 1: they go to the general path and fail there.
+SHORT_BAD_CASES = {
+    "wraps in int64": ([2**64 + 1], [0], "must be integers"),
+    "past int64": ([2**63], [0], "does not fit in int64"),
+    "bool": ([True], [0], "must be integers"),
+    "float": ([0], [1.0], "must be integers"),
+    "too large, last of 16": (list(range(5, -1, -1)) * 2 + [0, 1, 2, 6],
+                              list(range(4)) * 4, "device block id 6 at index 15"),
+    "duplicate, last of 16": ([0] * 16, [0, 1, 2, 3] * 3 + [0, 1, 2, 0],
+                              "destination twice"),
+}
+
+
+@pytest.mark.parametrize("direction", ["swap_out", "swap_in"])
+@pytest.mark.parametrize("case", list(SHORT_BAD_CASES))
+def test_short_list_bad_ids_raise_and_touch_nothing(backend, case, direction):
+    layout = LAYOUTS["fp8+scales"]
+    planes, host = make_planes(layout, 6), make_host(layout, 4)
+    planes_before, host_before = snapshot(planes), host.clone()
+    eng = engine(planes, host, layout, backend)
+    dev, hst, msg = SHORT_BAD_CASES[case]
+    with pytest.raises(ValueError, match=msg):
+        if direction == "swap_out":
+            eng.swap_out(dev, hst)
+        else:  # the duplicate case names the device side: swap device and host roles
+            eng.swap_in(*((dev, hst) if case.startswith("duplicate") else (hst, dev)))
+    assert torch.equal(host, host_before)
+    assert_planes_equal(planes, planes_before)
+
+
+def test_short_lists_skip_the_general_path(monkeypatch):
+    """Up to SMALL_IDS plain ints go straight to C; longer lists, tuples and numpy
+    ids take the general (numpy) checks. Both copy the same bytes."""
+    try:
+        cpu.load_native()
+    except RuntimeError as e:
+        pytest.skip(f"native library unavailable: {e}")
+    layout, n = LAYOUTS["bf16"], cpu.SMALL_IDS
+    planes, host = make_planes(layout, n + 1), make_host(layout, n + 1)
+    eng = engine(planes, host, layout, "native")
+    general = []
+    check_ids = eng._check_ids
+    monkeypatch.setattr(eng, "_check_ids", lambda d, h: general.append(len(d)) or check_ids(d, h))
+    for ids, took_general in [([3], False), (list(range(n)), False), (list(range(n + 1)), True),
+                              ((3,), True), (np.array([3]), True), ([np.int64(3)], True)]:
+        general.clear()
+        rev = list(ids)[::-1]
+        want = expected_host(host, planes, layout.host_offsets, list(ids), rev)
+        assert eng.swap_out(ids, rev) == len(rev) * eng.bytes_per_block
+        assert torch.equal(host, want)
+        assert bool(general) == took_general, ids
+
+
+def test_threads_share_an_engine():
+    """Threads calling one engine at once: each has its own id buffers (the C call
+    runs without the GIL), so no thread's ids leak into another's copy."""
+    try:
+        cpu.load_native()
+    except RuntimeError as e:
+        pytest.skip(f"native library unavailable: {e}")
+    workers, per, rounds = 4, cpu.SMALL_IDS, 30
+    planes = make_planes(BIG, 2 * workers * per)  # worker w: sources, then targets
+    host = torch.zeros(workers * per, BIG.block_bytes, dtype=torch.uint8)
+    originals = snapshot(planes)
+    eng = engine(planes, host, BIG, "native")
+    start, errors = threading.Barrier(workers), []
+
+    def work(w: int) -> None:
+        rng = np.random.default_rng(w)
+        src0, dst0, host0 = 2 * w * per, (2 * w + 1) * per, w * per
+        start.wait()
+        for _ in range(rounds):
+            k = int(rng.integers(1, per + 1))
+            picks = rng.choice(per, k, replace=False).tolist()
+            host_ids = [host0 + i for i in picks]
+            host[host0:host0 + per] = 0
+            eng.swap_out([src0 + i for i in picks], host_ids)
+            want = expected_host(host, originals, BIG.host_offsets,
+                                 [src0 + i for i in picks], host_ids)
+            if not torch.equal(host[host0:host0 + per], want[host0:host0 + per]):
+                errors.append(f"worker {w}: swap_out of {picks} wrote wrong host blocks")
+            for p in planes:
+                p[dst0:dst0 + per] = 0
+            eng.swap_in(host_ids, [dst0 + i for i in picks])
+            for p, orig in zip(planes, originals, strict=True):
+                if not all(torch.equal(block_bytes(p, dst0 + i), block_bytes(orig, src0 + i))
+                           for i in picks):
+                    errors.append(f"worker {w}: swap_in of {picks} wrote wrong device blocks")
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
 
 
 def test_bad_planes_and_pool_are_rejected():
@@ -253,6 +353,38 @@ def test_native_library_rejects_bad_ids_itself():
     assert raw_call(eng, [2], [3]) == (0, -1)  # the same tables work for a good task
     with pytest.raises(ValueError, match="device block id 9 at index 0"):
         eng._copy_native(np.array([9]), np.array([0]), cpu.TO_HOST)
+
+
+def test_native_engine_entry_rejects_bad_input_itself():
+    """kvc_cpu_engine_copy (the entry the engine calls) checks like kvc_cpu_copy."""
+    try:
+        cpu.load_native()
+    except RuntimeError as e:
+        pytest.skip(f"native library unavailable: {e}")
+    layout = LAYOUTS["fp8+scales"]
+    planes, host = make_planes(layout, 6), make_host(layout, 4)
+    planes_before, host_before = snapshot(planes), host.clone()
+    eng = engine(planes, host, layout, "native")
+    no_threads = cpu._CpuEngine.from_buffer_copy(eng._engine)
+    no_threads.num_threads = 0
+
+    def call(dev, hst, direction=cpu.TO_HOST, table=eng._engine_ref):
+        dev, hst = np.asarray(dev, dtype=np.int64), np.asarray(hst, dtype=np.int64)
+        err = ctypes.c_int64(123)
+        rc = eng._copy_fn(table, ctypes.c_void_p(dev.ctypes.data),
+                          ctypes.c_void_p(hst.ctypes.data), ctypes.c_int64(dev.size),
+                          ctypes.c_int64(direction), ctypes.byref(err))
+        return rc, err.value
+
+    assert call([0, 1, 6], [0, 1, 2]) == (cpu.ERR_DEVICE_ID, 2)
+    assert call([0, -1], [0, 1], cpu.TO_DEVICE) == (cpu.ERR_DEVICE_ID, 1)
+    assert call([0, 1], [0, 4], cpu.TO_DEVICE) == (cpu.ERR_HOST_ID, 1)
+    assert call([0], [0], 7) == (-6, -1)
+    assert call([0], [0], table=None) == (-1, -1)  # NULL engine
+    assert call([0], [0], table=ctypes.byref(no_threads)) == (-2, -1)
+    assert torch.equal(host, host_before)
+    assert_planes_equal(planes, planes_before)
+    assert call([2], [3]) == (0, -1)
 
 
 def test_native_call_releases_the_gil():

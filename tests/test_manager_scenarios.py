@@ -267,8 +267,9 @@ def test_commit_before_wait_is_refused(make_manager):
     serve(mgr, "r1", toks(1, 2, 3))
     serve(mgr, "r2", toks(5, 6, tail=1))
     a = mgr.allocate("r3", toks(1, 2, 3, tail=1))
+    mgr._reap()  # land the (synchronous) swap-in, then pretend it is still running
     h = a._handles[0]
-    result, h.result = h.result, None  # pretend the swap-in is still running
+    result, h.result = h.result, None
     with pytest.raises(RuntimeError, match="wait"):
         mgr.commit("r3", toks(1, 2, 3, tail=1), 13)
     h.result = result
