@@ -5,7 +5,7 @@ Transfer; it never touches KV memory itself. ``InProcessTransfer`` copies in
 the engine process; ``WorkerTransfer`` fans each task out to one worker
 process per TP rank and completes it when every rank has answered.
 
-Completion is reported two ways: the ``TaskHandle`` (an event to wait on)
+Completion is reported two ways: the ``TaskHandle`` (a future to wait on)
 and the Transfer's ``completed`` queue, which the manager drains on its own
 thread so that every tree transition happens in one place.
 """
