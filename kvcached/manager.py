@@ -473,12 +473,19 @@ class CacheManager(EvictionMixin, FetchMixin):
 
     # -------------------------------------------------------------- control
     def pause(self) -> dict:
-        """Hold transfers (in-flight ones finish); GPU hits keep being served."""
+        """Hold transfers (in-flight ones finish); GPU hits keep being served.
+
+        From the moment it is called nothing new that would wait on a transfer
+        is planned (no swap-outs, no storage reads); the ranks then drain
+        without the manager lock held, so the engine's calls and `kvcached
+        status` are answered meanwhile. A pause that times out stays in force
+        (the coordinator holds tasks): resume() undoes it.
+        """
         with self._lock:
             changed = not self._paused
-            res = self._control("pause")
             self._paused = True
-            return {**res, "changed": changed, "paused": True}
+        res = self._control("pause")
+        return {**res, "changed": changed, "paused": True}
 
     def resume(self) -> dict:
         """Run held transfers, in order."""

@@ -451,6 +451,9 @@ def test_pause_holds_queued_tasks_and_resume_runs_them_exactly_once(dep):
         paused.start()
         wait_for(lambda: mgr.transfer.paused, 5, "the pause to begin")
         assert paused.is_alive(), "pause answered before the in-flight task finished"
+        # While the ranks drain, status is answered (the manager lock is free).
+        st = request(rd, "status", timeout_s=3)
+        assert st["paused"] and paused.is_alive()
     finally:
         os.kill(victim, signal.SIGCONT)
     paused.join(15)

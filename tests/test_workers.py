@@ -282,3 +282,22 @@ def test_cpu_tier_survives_a_worker_crash(workers_manager):
         for p, plane in enumerate(planes):
             assert bool((plane[blk] == (i + 1) * 1000 + p).all()), (i, p)
     mgr.check_invariants()
+
+
+def test_tasks_flow_when_the_engine_has_many_open_files(workers_manager):
+    """Engines hold hundreds of descriptors: the coordinator's wake-up pipe then
+    gets a number above 256, which Python does not cache as one int object. Its
+    IO thread must still take submitted tasks (it once compared the fd by
+    identity, and every task then waited forever)."""
+    from kvcached.transfer.base import Task
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(300)]
+    try:
+        mgr = workers_manager(num_cpu_blocks=4)
+        assert mgr.transfer._wake_r > 256  # the case under test
+        for kind, ids in (("noop", []), ("swap_out", [1]), ("swap_in", [1])):
+            h = mgr.transfer.submit(Task(kind, ids, list(ids)))
+            assert h.wait(10), f"{kind} task never completed"
+            assert h.result.ok, h.result.error
+    finally:
+        for fd in spare:
+            os.close(fd)

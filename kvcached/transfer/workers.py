@@ -212,11 +212,14 @@ class WorkerTransfer(Transfer):
         try:
             while not self._stop.is_set():
                 for ready, _ in zmq.zmq_poll(items, timeout_ms):
-                    if ready is self._wake_r:
+                    # zmq_poll hands back the socket object itself but a new
+                    # int for a file descriptor: only the socket compares by
+                    # identity (an fd above 256 is not a cached small int).
+                    if ready is self._router:
+                        self._recv_all()
+                    else:
                         os.read(self._wake_r, 4096)
                         self._take_outbox()
-                    else:
-                        self._recv_all()
                 if self._held and not self._paused:
                     held, self._held = self._held, []
                     for h in held:
@@ -445,7 +448,10 @@ class WorkerTransfer(Transfer):
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {"paused": self._paused, "held": len(self._held), "workers": [
+        # While paused, what waits in the outbox is held too: the IO thread
+        # moves it to _held on its next wake-up.
+        held = len(self._held) + (len(self._outbox) if self._paused else 0)
+        return {"paused": self._paused, "held": held, "workers": [
             {"rank": w.rank, "pid": w.pid, "state": w.state, "restarts": w.restarts,
              "lost_reason": w.lost_reason, "last_seen_s": round(now - w.last_seen, 3),
              **w.info} for w in self.workers],
