@@ -137,11 +137,9 @@ class LeafLRU:
         return self.pop()
 
     def _next_key(self, node: Node) -> int:
-        """``lru_key`` with the next insertion number (inlined: add is hot)."""
-        self._seq = seq = self._seq + 1
-        depth = node.depth if node.depth < _DEPTH_MAX else _DEPTH_MAX
-        return ((node.last_access << KEY_SHIFT) | ((_DEPTH_MAX - depth) << _SEQ_BITS)
-                | (seq & _SEQ_MASK))
+        """The node's key with the next insertion number."""
+        self._seq += 1
+        return lru_key(node.last_access, node.depth, self._seq)
 
     def discard(self, node: Node) -> None:
         if getattr(node, self.slot) is not None:

@@ -327,15 +327,21 @@ def raw_call(eng: CpuCopyEngine, dev, host, direction=cpu.TO_HOST, offsets=None)
     return rc, err.value
 
 
-def test_native_library_rejects_bad_ids_itself():
+def native_case():
+    """A native engine over 6 device and 4 host blocks, with snapshots of both
+    sides (to prove a refused call touched nothing); skips without the library."""
     try:
         cpu.load_native()
     except RuntimeError as e:
         pytest.skip(f"native library unavailable: {e}")
     layout = LAYOUTS["fp8+scales"]
     planes, host = make_planes(layout, 6), make_host(layout, 4)
-    planes_before, host_before = snapshot(planes), host.clone()
-    eng = engine(planes, host, layout, "native")
+    return layout, planes, host, snapshot(planes), host.clone(), \
+        engine(planes, host, layout, "native")
+
+
+def test_native_library_rejects_bad_ids_itself():
+    layout, planes, host, planes_before, host_before, eng = native_case()
     bad_offsets = list(layout.host_offsets[:-1]) + [layout.block_bytes - 1]
     cases = [  # (device ids, host ids, direction, offsets) -> (code, index)
         (([0, 1, 6], [0, 1, 2], cpu.TO_HOST, None), (cpu.ERR_DEVICE_ID, 2)),
@@ -357,14 +363,7 @@ def test_native_library_rejects_bad_ids_itself():
 
 def test_native_engine_entry_rejects_bad_input_itself():
     """kvc_cpu_engine_copy (the entry the engine calls) checks like kvc_cpu_copy."""
-    try:
-        cpu.load_native()
-    except RuntimeError as e:
-        pytest.skip(f"native library unavailable: {e}")
-    layout = LAYOUTS["fp8+scales"]
-    planes, host = make_planes(layout, 6), make_host(layout, 4)
-    planes_before, host_before = snapshot(planes), host.clone()
-    eng = engine(planes, host, layout, "native")
+    _, planes, host, planes_before, host_before, eng = native_case()
     no_threads = cpu._CpuEngine.from_buffer_copy(eng._engine)
     no_threads.num_threads = 0
 
