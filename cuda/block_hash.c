@@ -20,6 +20,10 @@
  *
  *   chain(parent: bytes, tokens, block_size: int, extra: bytes,
  *         start: int, stop: int) -> list[bytes]
+ *   chain_memo(parent, tokens, block_size, extra, start, stop, memo)
+ *       -> (hashes, inputs, keys)   chain() reusing the hashes of inputs a
+ *                                   memo {key: node} holds (see "hash memo")
+ *   memo_key(input: bytes) -> int   the memo key of one block input
  *   impl() -> str             the compress in use: "avx512", "avx2", "portable"
  *   impls() -> tuple[str]     the ones this CPU runs, best first
  *   set_impl(name) -> str     switch (tests, benchmarks); returns the previous
@@ -526,6 +530,176 @@ static PyObject *chain_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObje
     return out;
 }
 
+/* ---------------------------------------------------------- hash memo */
+
+/* A prompt's blocks are mostly blocks the tree already holds, and a cached
+ * node remembers the exact bytes it was hashed from (its "input":
+ * h_{i-1} || extra || tokens_i). chain_memo looks each block's input up in a
+ * dict {key: node} and, when the node's input is byte-for-byte the same,
+ * takes the node's hash instead of running BLAKE2b: equal inputs have equal
+ * hashes, so the result is exactly chain()'s. The key is a fast 61-bit mix of
+ * the input; it only picks the candidate (a collision, accidental or crafted,
+ * is a miss and costs one BLAKE2b). Keys live in this process only. */
+
+static PyObject *str_input, *str_hash; /* interned attribute names */
+
+static inline uint64_t memo_mix(uint64_t a, uint64_t w) {
+    a = (a ^ w) * 0x9E3779B97F4A7C15ULL;
+    return a ^ (a >> 29);
+}
+
+static inline uint64_t fmix64(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    return k ^ (k >> 33);
+}
+
+/* Four independent lanes: the multiplies overlap instead of chaining. */
+static uint64_t memo_key_of(const uint8_t *p, size_t n) {
+    uint64_t a = 0x243F6A8885A308D3ULL, b = 0x13198A2E03707344ULL;
+    uint64_t c = 0xA4093822299F31D0ULL, d = 0x082EFA98EC4E6C89ULL;
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        uint64_t w[4];
+        memcpy(w, p + i, 32);
+        a = memo_mix(a, w[0]);
+        b = memo_mix(b, w[1]);
+        c = memo_mix(c, w[2]);
+        d = memo_mix(d, w[3]);
+    }
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        a = memo_mix(a, w);
+    }
+    if (i < n) {
+        uint64_t w = 0;
+        memcpy(&w, p + i, n - i);
+        b = memo_mix(b, w);
+    }
+    uint64_t k = a ^ rotr64(b, 17) ^ rotr64(c, 31) ^ rotr64(d, 47) ^ (uint64_t)n;
+    return fmix64(k) & ((1ULL << 61) - 1); /* a small int: Python hashes it as itself */
+}
+
+/* Tokens [lo, hi) as little-endian int64 into out. -1 with an exception set. */
+static int tokens_to_bytes(uint8_t *out, PyObject *seq, int is_list, const int64_t *arr,
+                           Py_ssize_t lo, Py_ssize_t hi) {
+    if (arr != NULL) {
+        for (Py_ssize_t i = lo; i < hi; i++) store64_le(out + 8 * (i - lo), (uint64_t)arr[i]);
+        return 0;
+    }
+    if (hi > Py_SIZE(seq)) {
+        PyErr_SetString(PyExc_RuntimeError, "token list changed size while being hashed");
+        return -1;
+    }
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        int64_t v;
+        if (!(Py_IS_TYPE(items[i], &PyLong_Type) && small_long(items[i], &v)) &&
+            token_slow(seq, is_list, i, &v) < 0)
+            return -1;
+        store64_le(out + 8 * (i - lo), (uint64_t)v);
+    }
+    return 0;
+}
+
+/* The memo's hash and input for buf[0:len], as new references; 0 on a miss
+ * (an absent key, or a node hashed from other bytes), -1 on an error. */
+static int memo_lookup(PyObject *memo, PyObject *key, const uint8_t *buf, Py_ssize_t len,
+                       PyObject **hash, PyObject **input) {
+    PyObject *node = PyDict_GetItemWithError(memo, key);
+    if (node == NULL) return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(node); /* getattr could run code that changes the dict */
+    int found = 0;
+    PyObject *in = PyObject_GetAttr(node, str_input);
+    if (in != NULL && PyBytes_Check(in) && PyBytes_GET_SIZE(in) == len &&
+        memcmp(PyBytes_AS_STRING(in), buf, (size_t)len) == 0) {
+        PyObject *h = PyObject_GetAttr(node, str_hash);
+        if (h != NULL && PyBytes_Check(h) && PyBytes_GET_SIZE(h) == DIGEST) {
+            *hash = h;
+            *input = in;
+            in = NULL;
+            found = 1;
+        } else {
+            Py_XDECREF(h);
+        }
+    }
+    Py_XDECREF(in);
+    Py_DECREF(node);
+    return PyErr_Occurred() ? -1 : found;
+}
+
+/* One block: its input in buf[0:len]; the hash, input and key appended at i. */
+static int memo_block(PyObject *memo, const uint8_t *buf, Py_ssize_t len, PyObject *hashes,
+                      PyObject *inputs, PyObject *keys, Py_ssize_t i) {
+    PyObject *key = PyLong_FromUnsignedLongLong(memo_key_of(buf, (size_t)len));
+    if (key == NULL) return -1;
+    PyList_SET_ITEM(keys, i, key);
+    PyObject *h = NULL, *in = NULL;
+    int found = memo_lookup(memo, key, buf, len, &h, &in);
+    if (found < 0) return -1;
+    if (!found) {
+        uint8_t digest[DIGEST];
+        b2b_state s;
+        b2b_init(&s);
+        b2b_update(&s, buf, (size_t)len);
+        b2b_final(&s, digest);
+        h = PyBytes_FromStringAndSize((const char *)digest, DIGEST);
+        in = PyBytes_FromStringAndSize((const char *)buf, len);
+        if (h == NULL || in == NULL) {
+            Py_XDECREF(h);
+            Py_XDECREF(in);
+            return -1;
+        }
+    }
+    PyList_SET_ITEM(hashes, i, h);
+    PyList_SET_ITEM(inputs, i, in);
+    return 0;
+}
+
+static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObject *seq,
+                                 const int64_t *arr, Py_ssize_t block_size,
+                                 const uint8_t *extra, Py_ssize_t extra_len, Py_ssize_t start,
+                                 Py_ssize_t stop, PyObject *memo) {
+    int is_list = seq != NULL && PyList_Check(seq);
+    Py_ssize_t n = stop - start;
+    Py_ssize_t head = parent_len > DIGEST ? parent_len : DIGEST;
+    uint8_t *buf = PyMem_Malloc((size_t)(head + extra_len + 8 * block_size));
+    PyObject *hashes = PyList_New(n), *inputs = PyList_New(n), *keys = PyList_New(n);
+    if (buf == NULL || hashes == NULL || inputs == NULL || keys == NULL) {
+        if (buf == NULL) PyErr_NoMemory();
+        goto fail;
+    }
+    const uint8_t *prev = parent;
+    Py_ssize_t prev_len = parent_len;
+    for (Py_ssize_t b = start; b < stop; b++) {
+        memcpy(buf, prev, (size_t)prev_len);
+        memcpy(buf + prev_len, extra, (size_t)extra_len);
+        Py_ssize_t len = prev_len + extra_len;
+        if (tokens_to_bytes(buf + len, seq, is_list, arr, b * block_size,
+                            (b + 1) * block_size) < 0)
+            goto fail;
+        len += 8 * block_size;
+        if (memo_block(memo, buf, len, hashes, inputs, keys, b - start) < 0) goto fail;
+        prev = (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(hashes, b - start));
+        prev_len = DIGEST;
+    }
+    PyMem_Free(buf);
+    PyObject *out = PyTuple_Pack(3, hashes, inputs, keys);
+    Py_DECREF(hashes);
+    Py_DECREF(inputs);
+    Py_DECREF(keys);
+    return out;
+fail:
+    PyMem_Free(buf);
+    Py_XDECREF(hashes);
+    Py_XDECREF(inputs);
+    Py_XDECREF(keys);
+    return NULL;
+}
+
 /* Accept int64 buffers: itemsize 8 and a signed 64-bit integer format. */
 static int is_int64_format(const Py_buffer *view) {
     if (view->itemsize != 8) return 0;
@@ -545,6 +719,87 @@ static Py_ssize_t index_arg(PyObject *o, const char *name) {
     return v;
 }
 
+/* The arguments chain() and chain_memo() share, checked. */
+typedef struct {
+    PyObject *parent, *tokens, *extra;
+    Py_ssize_t block_size, start, stop;
+    int is_seq;
+    Py_buffer view; /* held when !is_seq: release with release_args */
+} chain_args;
+
+static void release_args(chain_args *a);
+
+/* 0 with *a filled (and a buffer view held for array tokens), 1 when the range
+ * is empty, -1 with an exception set. */
+static int parse_chain_args(PyObject *const *args, chain_args *a) {
+    a->parent = args[0];
+    a->tokens = args[1];
+    a->extra = args[3];
+    a->is_seq = 1;
+    if (!PyBytes_Check(a->parent)) {
+        PyErr_Format(PyExc_TypeError, "parent must be bytes, got %.100s",
+                     Py_TYPE(a->parent)->tp_name);
+        return -1;
+    }
+    if (!PyBytes_Check(a->extra)) {
+        PyErr_Format(PyExc_TypeError, "extra must be bytes, got %.100s",
+                     Py_TYPE(a->extra)->tp_name);
+        return -1;
+    }
+    a->block_size = index_arg(args[2], "block_size");
+    if (a->block_size == -1 && PyErr_Occurred()) return -1;
+    a->start = index_arg(args[4], "start");
+    if (a->start == -1 && PyErr_Occurred()) return -1;
+    a->stop = index_arg(args[5], "stop");
+    if (a->stop == -1 && PyErr_Occurred()) return -1;
+    if (a->block_size < 1) {
+        PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", a->block_size);
+        return -1;
+    }
+    PyObject *tokens = a->tokens;
+    Py_ssize_t n_tokens;
+    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
+        n_tokens = PyList_Check(tokens) ? PyList_GET_SIZE(tokens) : PyTuple_GET_SIZE(tokens);
+    } else {
+        if (PyObject_GetBuffer(tokens, &a->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "tokens must be a list, a tuple or a C-contiguous int64 buffer, "
+                         "got %.100s", Py_TYPE(tokens)->tp_name);
+            return -1;
+        }
+        a->is_seq = 0;
+        if (!is_int64_format(&a->view)) {
+            PyErr_Format(PyExc_TypeError, "token buffer must hold int64 items, got format '%s' "
+                         "with itemsize %zd", a->view.format ? a->view.format : "B",
+                         a->view.itemsize);
+            PyBuffer_Release(&a->view);
+            a->is_seq = 1;
+            return -1;
+        }
+        n_tokens = a->view.len / 8;
+    }
+    Py_ssize_t full = n_tokens / a->block_size;
+    if (a->start < 0 || a->stop > full) {
+        PyErr_Format(PyExc_ValueError,
+                     "blocks [%zd, %zd) are not within the %zd full blocks of %zd tokens",
+                     a->start, a->stop, full, n_tokens);
+        release_args(a);
+        return -1;
+    }
+    return a->stop <= a->start;
+}
+
+static void release_args(chain_args *a) {
+    if (!a->is_seq) {
+        PyBuffer_Release(&a->view);
+        a->is_seq = 1;
+    }
+}
+
+#define ARG_BYTES(o) (const uint8_t *)PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)
+#define ARG_TOKENS(a) (a).is_seq ? (a).tokens : NULL, \
+                      (a).is_seq ? NULL : (const int64_t *)(a).view.buf
+
 static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6) {
@@ -553,63 +808,46 @@ static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
                      "got %zd", nargs);
         return NULL;
     }
-    PyObject *parent = args[0], *tokens = args[1], *extra = args[3];
-    if (!PyBytes_Check(parent)) {
-        PyErr_Format(PyExc_TypeError, "parent must be bytes, got %.100s", Py_TYPE(parent)->tp_name);
-        return NULL;
-    }
-    if (!PyBytes_Check(extra)) {
-        PyErr_Format(PyExc_TypeError, "extra must be bytes, got %.100s", Py_TYPE(extra)->tp_name);
-        return NULL;
-    }
-    Py_ssize_t block_size = index_arg(args[2], "block_size");
-    if (block_size == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t start = index_arg(args[4], "start");
-    if (start == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t stop = index_arg(args[5], "stop");
-    if (stop == -1 && PyErr_Occurred()) return NULL;
-    if (block_size < 1) {
-        PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", block_size);
-        return NULL;
-    }
-
-    int is_seq = PyList_Check(tokens) || PyTuple_Check(tokens);
-    Py_buffer view;
-    Py_ssize_t n_tokens;
-    if (is_seq) {
-        n_tokens = PyList_Check(tokens) ? PyList_GET_SIZE(tokens) : PyTuple_GET_SIZE(tokens);
-    } else {
-        if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            PyErr_Format(PyExc_TypeError,
-                         "tokens must be a list, a tuple or a C-contiguous int64 buffer, "
-                         "got %.100s", Py_TYPE(tokens)->tp_name);
-            return NULL;
-        }
-        if (!is_int64_format(&view)) {
-            PyErr_Format(PyExc_TypeError, "token buffer must hold int64 items, got format '%s' "
-                         "with itemsize %zd", view.format ? view.format : "B", view.itemsize);
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        n_tokens = view.len / 8;
-    }
-    PyObject *result;
-    Py_ssize_t full = n_tokens / block_size;
-    if (start < 0 || stop > full) {
-        PyErr_Format(PyExc_ValueError,
-                     "blocks [%zd, %zd) are not within the %zd full blocks of %zd tokens",
-                     start, stop, full, n_tokens);
-        result = NULL;
-    } else if (stop <= start) {
-        result = PyList_New(0);
-    } else {
-        result = chain_impl((const uint8_t *)PyBytes_AS_STRING(parent), PyBytes_GET_SIZE(parent),
-                            is_seq ? tokens : NULL, is_seq ? NULL : (const int64_t *)view.buf,
-                            block_size, (const uint8_t *)PyBytes_AS_STRING(extra),
-                            PyBytes_GET_SIZE(extra), start, stop);
-    }
-    if (!is_seq) PyBuffer_Release(&view);
+    chain_args a;
+    int rc = parse_chain_args(args, &a);
+    if (rc != 0) return rc < 0 ? NULL : PyList_New(0);
+    PyObject *result = chain_impl(ARG_BYTES(a.parent), ARG_TOKENS(a), a.block_size,
+                                  ARG_BYTES(a.extra), a.start, a.stop);
+    release_args(&a);
     return result;
+}
+
+static PyObject *chain_memo(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError,
+                     "chain_memo(parent, tokens, block_size, extra, start, stop, memo) takes 7 "
+                     "arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (!PyDict_Check(args[6])) {
+        PyErr_Format(PyExc_TypeError, "memo must be a dict, got %.100s",
+                     Py_TYPE(args[6])->tp_name);
+        return NULL;
+    }
+    chain_args a;
+    int rc = parse_chain_args(args, &a);
+    if (rc < 0) return NULL;
+    if (rc > 0) return Py_BuildValue("([][][])");
+    PyObject *result = chain_memo_impl(ARG_BYTES(a.parent), ARG_TOKENS(a), a.block_size,
+                                       ARG_BYTES(a.extra), a.start, a.stop, args[6]);
+    release_args(&a);
+    return result;
+}
+
+static PyObject *memo_key(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyBytes_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "memo_key takes bytes, got %.100s", Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(
+        memo_key_of((const uint8_t *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg)));
 }
 
 /* ------------------------------------------------------- impl selection */
@@ -675,6 +913,13 @@ static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(parent, tokens, block_size, extra, start, stop) -> list[bytes]\n\n"
      "BLAKE2b-128 chained hashes of full blocks start..stop-1 of tokens."},
+    {"chain_memo", (PyCFunction)(void (*)(void))chain_memo, METH_FASTCALL,
+     "chain_memo(parent, tokens, block_size, extra, start, stop, memo) -> (hashes, inputs, "
+     "keys)\n\nchain(), taking the hash of any block whose input bytes a memo entry "
+     "(memo[key].input) holds: memo[key].hash. inputs[i] are the bytes block i was hashed "
+     "from, keys[i] their memo key."},
+    {"memo_key", memo_key, METH_O, "memo_key(input: bytes) -> int: the memo key of a block "
+     "input (process-local)."},
     {"impl", impl, METH_NOARGS, "impl() -> str: the BLAKE2b compress in use "
      "('avx512', 'avx2' or 'portable')."},
     {"impls", impls, METH_NOARGS, "impls() -> tuple[str, ...]: the ones this CPU runs, best "
@@ -694,5 +939,8 @@ PyMODINIT_FUNC PyInit__block_hash(void) {
     __builtin_cpu_init();
 #endif
     use_impl(find_impl(NULL)); /* the best supported; portable always is */
+    str_input = PyUnicode_InternFromString("input");
+    str_hash = PyUnicode_InternFromString("hash");
+    if (str_input == NULL || str_hash == NULL) return NULL;
     return PyModule_Create(&module);
 }

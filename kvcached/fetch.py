@@ -75,7 +75,7 @@ class FetchMixin:
         cpus = self._take_cpu_blocks(n)
         if len(cpus) < n:
             skipped["short_of_cpu_blocks"] += 1
-        nodes = self._storage_nodes(parent, hashes[:len(cpus)])
+        nodes = self._storage_nodes(req, parent, start, len(cpus))
         if len(cpus) > len(nodes):
             self.cpu_pool.free(cpus[len(nodes):], front=True)
         if not nodes:
@@ -109,13 +109,15 @@ class FetchMixin:
             out.append(c)
         return out
 
-    def _storage_nodes(self, parent: Node, hashes: list[bytes]) -> list[Node]:
-        """Existing STORAGE nodes or new ones along ``hashes``; stops at a busy node."""
+    def _storage_nodes(self, req: _Request, parent: Node, start: int, n: int) -> list[Node]:
+        """Existing STORAGE nodes or new ones for ``req``'s blocks ``start..start+n-1``
+        under ``parent``; stops at a busy node."""
         out, node = [], parent
-        for h in hashes:
+        for i in range(start, start + n):
+            h = req.hashes[i]
             child = node.children.get(h)
             if child is None:
-                child = self.tree.add_child(node, h)
+                child = self.tree.add_child(node, h, *req.memo_entry(i))
             elif child.state is not Tier.STORAGE:
                 break  # another request is fetching it: stop here
             out.append(child)

@@ -92,6 +92,45 @@ def block_hashes(parent: bytes, token_ids: Sequence[int], block_size: int,
     return _block_hashes_py(parent, token_ids, block_size, extra_key, start, stop)
 
 
+def block_hashes_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
+                      extra_key: object, memo: dict, start: int = 0, stop: int | None = None
+                      ) -> tuple[list[bytes], list[bytes] | None, list[int] | None]:
+    """``block_hashes`` that skips BLAKE2b for blocks the cache already holds.
+
+    ``memo`` maps a block input's key to a node that has ``input`` (the bytes
+    it was hashed from: parent hash, extra key, tokens) and ``hash``: when a
+    block's input equals a node's, the node's hash is taken (equal inputs,
+    equal hashes; the key only picks the candidate). Returns ``(hashes,
+    inputs, keys)``: the same hashes as ``block_hashes``, plus each block's
+    input bytes and memo key for new nodes to be remembered by; inputs and
+    keys are None on the Python path (no memo: every block is hashed).
+    """
+    mod = _native
+    if mod is _UNTRIED:
+        mod = load_native()
+    if mod is not None and type(parent) is bytes and type(block_size) is int and start >= 0:
+        full = len(token_ids) // block_size
+        stop = full if stop is None else min(stop, full)
+        if stop <= start:
+            return [], [], []
+        extra = _extra_bytes(extra_key)
+        try:
+            if isinstance(token_ids, (list, tuple)):
+                return mod.chain_memo(parent, token_ids, block_size, extra, start, stop, memo)
+            arr = _token_array(token_ids, start * block_size, stop * block_size)
+            if arr.ndim == 1:
+                return mod.chain_memo(parent, np.ascontiguousarray(arr), block_size, extra, 0,
+                                      stop - start, memo)
+        except TypeError:
+            pass  # an odd token: the reference path decides (see block_hashes)
+    return block_hashes(parent, token_ids, block_size, extra_key, start, stop), None, None
+
+
+def memo_key(block_input: bytes) -> int:
+    """The memo key of one block input (native path only; process-local)."""
+    return load_native().memo_key(block_input)
+
+
 def _block_hashes_py(parent: bytes, token_ids: Sequence[int], block_size: int,
                      extra_key: object = None, start: int = 0,
                      stop: int | None = None) -> list[bytes]:

@@ -9,8 +9,10 @@ for tests and debugging, never on a hot path.
 from __future__ import annotations
 
 import collections
+from hashlib import blake2b
 from typing import TYPE_CHECKING
 
+from kvcached.hashing import memo_key
 from kvcached.tree import GPU_STATES, Node, Tier
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ def check(mgr: CacheManager) -> None:
     _check_requests(mgr, nodes)
     _check_busy(mgr, nodes)
     _check_lru(mgr, nodes)
+    _check_memo(mgr, nodes)
 
 
 def _check_busy(mgr: CacheManager, nodes: list[Node]) -> None:
@@ -132,3 +135,22 @@ def _check_lru(mgr: CacheManager, nodes: list[Node]) -> None:
             extra = list(actual - expected)[:3]
             missing = list(expected - actual)[:3]
             _fail(f"{name} LRU differs from the evictable leaves: extra {extra}, missing {missing}")
+
+
+def _check_memo(mgr: CacheManager, nodes: list[Node]) -> None:
+    """The hash memo holds live nodes only, each under its input's key, and each
+    input really hashes to the node's hash (the memo hands that hash out)."""
+    memo = mgr.tree.memo
+    live = set(nodes)
+    for key, n in memo.items():
+        if n not in live:
+            _fail(f"hash memo key {key} holds {n}, which is not in the tree")
+        if n.mkey != key:
+            _fail(f"{n} sits under memo key {key} but its key is {n.mkey}")
+    for n in nodes:
+        if n.mkey is None:
+            continue
+        if memo_key(n.input) != n.mkey:
+            _fail(f"{n}: memo key {n.mkey} is not the key of its input")
+        if blake2b(n.input, digest_size=len(n.hash)).digest() != n.hash:
+            _fail(f"{n}: its remembered input does not hash to its hash")

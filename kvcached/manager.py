@@ -26,7 +26,7 @@ from kvcached.config import CacheConfig
 from kvcached.errors import CacheAsleep, NoFreeBlocks
 from kvcached.eviction import EvictionMixin, cpu_evictable, gpu_evictable
 from kvcached.fetch import FetchMixin
-from kvcached.hashing import block_hashes, namespace_hash
+from kvcached.hashing import block_hashes_memo, namespace_hash
 from kvcached.pool import BlockPool
 from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.stats import Counters
@@ -41,20 +41,28 @@ class _Request:
     """A running request. ``blocks[i]`` is ``nodes[i].gpu`` for i < len(nodes); the
     rest are the request's private blocks (not in the tree)."""
 
-    __slots__ = ("rid", "extra", "blocks", "nodes", "hashes", "num_tokens", "alloc",
-                 "chain_open")
+    __slots__ = ("rid", "extra", "blocks", "nodes", "hashes", "inputs", "keys", "num_tokens",
+                 "alloc", "chain_open")
 
-    def __init__(self, rid, extra, hashes: list[bytes], num_tokens: int):
+    def __init__(self, rid, extra, hashed: tuple, num_tokens: int):
         self.rid = rid
         self.extra = extra
         self.blocks: list[int] = []
         self.nodes: list[Node] = []
-        self.hashes = hashes
+        # Block hashes, and the inputs / memo keys new nodes are remembered by
+        # (None on the Python hashing path): block_hashes_memo's three lists.
+        self.hashes, self.inputs, self.keys = hashed
         self.num_tokens = num_tokens
         self.alloc: Allocation | None = None
         # False once a block this request computed could not join the tree
         # (its twin was in flight): later blocks stay private, never misplaced.
         self.chain_open = True
+
+    def memo_entry(self, i: int) -> tuple[bytes | None, int | None]:
+        """Block ``i``'s input and memo key, for ``BlockTree.add_child``."""
+        if self.keys is None:
+            return None, None
+        return self.inputs[i], self.keys[i]
 
 
 class CacheManager(EvictionMixin, FetchMixin):
@@ -214,8 +222,8 @@ class CacheManager(EvictionMixin, FetchMixin):
                 raise ValueError(f"allocate needs >= 1 token and reserve_tokens >= 0, "
                                  f"got {n} tokens, reserve_tokens={reserve_tokens}")
             bs = self.block_size
-            req = _Request(request_id, extra_key,
-                           block_hashes(self._ns, token_ids, bs, extra_key), n)
+            req = _Request(request_id, extra_key, block_hashes_memo(
+                self._ns, token_ids, bs, extra_key, self.tree.memo), n)
             matched, n_gpu, unlisted = self._match_ref(req.hashes, (n - 1) // bs)
             need = -(-(n + reserve_tokens) // bs) - n_gpu
             avail = self.gpu_pool.num_free + self._n_gpu_idle
@@ -365,8 +373,14 @@ class CacheManager(EvictionMixin, FetchMixin):
         have = len(req.hashes)
         if have < full:
             parent = req.hashes[-1] if have else self._ns
-            req.hashes.extend(block_hashes(parent, token_ids, self.block_size, req.extra,
-                                           start=have, stop=full))
+            hashes, inputs, keys = block_hashes_memo(parent, token_ids, self.block_size,
+                                                     req.extra, self.tree.memo, have, full)
+            req.hashes.extend(hashes)
+            if inputs is None:  # hashed on the Python path: no memo for this request
+                req.inputs = req.keys = None
+            elif req.inputs is not None:
+                req.inputs.extend(inputs)
+                req.keys.extend(keys)
 
     def _insert(self, req: _Request, full: int) -> None:
         parent = req.nodes[-1] if req.nodes else self.tree.root
@@ -374,7 +388,7 @@ class CacheManager(EvictionMixin, FetchMixin):
             h = req.hashes[i]
             node = parent.children.get(h)
             if node is None:
-                node = self._new_gpu_node(parent, h, req.blocks[i])
+                node = self._new_gpu_node(parent, h, req.blocks[i], req, i)
             elif node.state is Tier.GPU:
                 if node.gpu != req.blocks[i]:
                     self.gpu_pool.free([req.blocks[i]])
@@ -390,11 +404,11 @@ class CacheManager(EvictionMixin, FetchMixin):
             req.nodes.append(node)
             parent = node
 
-    def _new_gpu_node(self, parent: Node, h: bytes, gpu: int) -> Node:
-        """A node for a block this request just computed (``_set(GPU)`` inlined: it
+    def _new_gpu_node(self, parent: Node, h: bytes, gpu: int, req: _Request, i: int) -> Node:
+        """A node for block ``i`` that ``req`` just computed (``_set(GPU)`` inlined: it
         is referenced, so in no LRU, and so is its parent, the request's previous
         node or the root, so its parent's LRU membership does not change)."""
-        node = self.tree.add_child(parent, h)
+        node = self.tree.add_child(parent, h, *req.memo_entry(i))
         node.ref = 1
         node.state = Tier.GPU
         node.gpu = gpu

@@ -47,7 +47,7 @@ class Node:
 
     __slots__ = ("hash", "parent", "children", "state", "gpu", "cpu", "in_storage",
                  "ref", "last_access", "depth", "n_gpu_children", "n_cpu_children", "busy",
-                 "gpu_key", "cpu_key")
+                 "gpu_key", "cpu_key", "input", "mkey")
 
     def __init__(self, h: bytes, parent: Node | None, depth: int):
         self.hash = h
@@ -67,6 +67,8 @@ class Node:
         self.busy = 0  # background tasks (write-through) reading this node's blocks
         self.gpu_key: int | None = None  # live key in the GPU LRU (LeafLRU), or None
         self.cpu_key: int | None = None  # live key in the CPU LRU
+        self.input: bytes | None = None  # the bytes hashed into ``hash`` (BlockTree.memo)
+        self.mkey: int | None = None  # its key in BlockTree.memo
 
     @property
     def holds_gpu_for_parent(self) -> bool:
@@ -182,7 +184,15 @@ def lru_key(last_access: int, depth: int, seq: int) -> int:
 
 
 class BlockTree:
-    """The radix tree plus the two tiers' LRU leaf sets."""
+    """The radix tree, the two tiers' LRU leaf sets and the hash memo.
+
+    ``memo`` maps the key of a node's hash input (``hashing.memo_key``) to the
+    node, so that hashing a prompt takes the hash of every block the tree
+    already holds instead of running BLAKE2b on it
+    (``hashing.block_hashes_memo``): most of a prompt's blocks are hits. A
+    node is remembered when it is created with its input and forgotten when
+    it leaves the tree; a key already taken (a collision) keeps its node.
+    """
 
     def __init__(self) -> None:
         self.root = Node(b"", None, 0)
@@ -190,16 +200,28 @@ class BlockTree:
         self.gpu_lru = LeafLRU("gpu_key")
         self.cpu_lru = LeafLRU("cpu_key")
         self.num_nodes = 0
+        self.memo: dict[int, Node] = {}
 
     def child(self, parent: Node, h: bytes) -> Node | None:
         return parent.children.get(h)
 
-    def add_child(self, parent: Node, h: bytes) -> Node:
-        """A new node (state STORAGE, no copies) under ``parent``; caller sets its state."""
+    def add_child(self, parent: Node, h: bytes, block_input: bytes | None = None,
+                  key: int | None = None) -> Node:
+        """A new node (state STORAGE, no copies) under ``parent``; caller sets its
+        state. ``block_input``/``key`` (from ``block_hashes_memo``) put it in the memo."""
         node = Node(h, parent, parent.depth + 1)
         parent.children[h] = node
         self.num_nodes += 1
+        if key is not None:
+            node.input = block_input
+            node.mkey = key
+            self.memo.setdefault(key, node)
         return node
+
+    def _forget(self, node: Node) -> None:
+        key = node.mkey
+        if key is not None and self.memo.get(key) is node:
+            del self.memo[key]
 
     def remove(self, node: Node) -> int:
         """Unlink ``node`` and its subtree; every removed node must hold no block.
@@ -212,6 +234,9 @@ class BlockTree:
         if not node.children:  # a leaf: no walk
             self.gpu_lru.discard(node)
             self.cpu_lru.discard(node)
+            key = node.mkey  # _forget, inlined: eviction drops leaves one by one
+            if key is not None and self.memo.get(key) is node:
+                del self.memo[key]
             self.num_nodes -= 1
             return 1
         removed, stack = 0, [node]
@@ -220,6 +245,7 @@ class BlockTree:
             assert n.gpu < 0 and n.cpu < 0 and n.ref == 0, f"subtree holds blocks: {n}"
             self.gpu_lru.discard(n)
             self.cpu_lru.discard(n)
+            self._forget(n)
             stack.extend(n.children.values())
             n.children = {}
             removed += 1

@@ -143,6 +143,7 @@ def replay(mgr, requests: Iterable[ChatRequest],
     start = clock()
     for req in requests:
         res["requests"] += 1
+        tokens = req.prompt + req.output  # the engine's token list: not manager time
         t0 = clock()
         try:
             a = mgr.allocate(req.request_id, req.prompt, reserve_tokens=len(req.output))
@@ -151,7 +152,6 @@ def replay(mgr, requests: Iterable[ChatRequest],
             res["rejected"] += 1
         else:
             t1 = clock()
-            tokens = req.prompt + req.output
             mgr.commit(req.request_id, tokens, len(tokens))
             t2 = clock()
             mgr.free(req.request_id)

@@ -17,30 +17,16 @@ import sys
 import sysconfig
 import time
 from hashlib import blake2b
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kvcached.hashing as hashing
-from kvcached.copy.native_build import find_compiler
 from kvcached.hashing import _block_hashes_py, block_hashes, namespace_hash
 
 I64_MIN, I64_MAX = -2**63, 2**63 - 1
 BLOCK_SIZES = (1, 2, 16, 64, 256)
 EXTRA_KEYS = (None, "lora-7", b"\x00mm:\xff", ("lora", 3, b"img"), 42, "x" * 300)
-
-
-@pytest.fixture(scope="module")
-def native():
-    """The loaded extension; skipped only where it cannot be built at all."""
-    if find_compiler() is None:
-        pytest.skip("no C compiler: the Python path is covered by test_hashing.py")
-    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
-        pytest.skip("no Python headers to build the extension against")
-    mod = hashing.load_native()
-    assert mod is not None, f"native block hashing failed to build: {hashing.native_error()}"
-    return mod
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

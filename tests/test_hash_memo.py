@@ -1,0 +1,165 @@
+"""The hash memo: hashing a prompt takes the hash of blocks the tree already holds.
+
+``block_hashes_memo`` must return exactly ``block_hashes``'s hashes whatever
+the memo holds: the right nodes, nodes of other inputs under a colliding key,
+malformed entries, nothing. The manager keeps the memo to the nodes in its
+tree (``check_invariants`` verifies every entry hashes to its node's hash).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import kvcached.hashing as hashing
+from kvcached.hashing import block_hashes, block_hashes_memo, namespace_hash
+
+BS = 16
+NS = namespace_hash("model", "w1")
+
+
+class Entry:
+    """What the memo's values must offer (tree nodes do)."""
+
+    __slots__ = ("input", "hash")
+
+    def __init__(self, block_input, h):
+        self.input = block_input
+        self.hash = h
+
+
+def remember(memo: dict, hashed: tuple) -> None:
+    for h, block_input, key in zip(*hashed):
+        memo[key] = Entry(block_input, h)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200_000) for _ in range(n)]
+
+
+def test_without_memo_entries_it_is_block_hashes(native):
+    toks = tokens(1, 10 * BS + 3)
+    hashes, inputs, keys = block_hashes_memo(NS, toks, BS, "lora", {})
+    assert hashes == block_hashes(NS, toks, BS, "lora")
+    # each input is what its hash was computed from: parent hash, extra, tokens
+    parent = NS
+    for i, (h, block_input) in enumerate(zip(hashes, inputs)):
+        raw = np.array(toks[i * BS:(i + 1) * BS], dtype="<i8").tobytes()
+        assert block_input == parent + b"lora" + raw
+        parent = h
+    assert keys == [native.memo_key(x) for x in inputs]
+
+
+def test_remembered_blocks_give_the_same_hashes(native):
+    toks = tokens(2, 12 * BS)
+    memo: dict = {}
+    first = block_hashes_memo(NS, toks, BS, None, memo)
+    remember(memo, first)
+    again = block_hashes_memo(NS, toks, BS, None, memo)
+    assert again[0] == first[0]
+    # a hit hands back the remembered objects themselves: no new bytes per block
+    assert all(a is b for a, b in zip(again[1], first[1]))
+    # a prompt that shares 5 blocks and then differs
+    other = toks[:5 * BS] + tokens(3, 7 * BS)
+    got = block_hashes_memo(NS, other, BS, None, memo)
+    assert got[0] == block_hashes(NS, other, BS)
+    assert got[0][:5] == first[0][:5] and got[0][5] != first[0][5]
+
+
+def test_collisions_and_malformed_entries_are_misses(native):
+    toks = tokens(4, 6 * BS)
+    want = block_hashes(NS, toks, BS)
+    _, inputs, keys = block_hashes_memo(NS, toks, BS, None, {})
+    bad_hash = b"\xee" * 16
+    cases = [
+        Entry(b"other input" + inputs[0][11:], bad_hash),  # same length, other bytes
+        Entry(inputs[0][:-1], bad_hash),                   # shorter
+        Entry(inputs[0] + b"x", bad_hash),                 # longer
+        Entry(inputs[0].decode("latin-1"), bad_hash),      # not bytes
+        Entry(inputs[0], b"short"),                        # a hash of the wrong size
+        Entry(inputs[0], None),
+        object(),                                          # no attributes at all
+    ]
+    for case in cases:
+        memo = {k: case for k in keys}
+        try:
+            got = block_hashes_memo(NS, toks, BS, None, memo)[0]
+        except AttributeError:
+            assert type(case) is object  # an entry that is not a node: an error, not a guess
+            continue
+        assert got == want, case
+
+
+def test_other_namespace_extra_key_or_start_never_hit(native):
+    toks = tokens(5, 8 * BS)
+    memo: dict = {}
+    remember(memo, block_hashes_memo(NS, toks, BS, None, memo))
+    other_ns = namespace_hash("model", "w2")
+    assert block_hashes_memo(other_ns, toks, BS, None, memo)[0] == \
+        block_hashes(other_ns, toks, BS)
+    assert block_hashes_memo(NS, toks, BS, "lora-2", memo)[0] == \
+        block_hashes(NS, toks, BS, "lora-2")
+    full = block_hashes(NS, toks, BS)
+    assert block_hashes_memo(full[2], toks, BS, None, memo, start=3)[0] == full[3:]
+
+
+def test_arrays_tuples_and_argument_errors(native):
+    toks = tokens(6, 5 * BS + 1)
+    want = block_hashes(NS, toks, BS)
+    memo: dict = {}
+    for data in (toks, tuple(toks), np.array(toks, dtype=np.int64)):
+        got = block_hashes_memo(NS, data, BS, None, memo)
+        assert got[0] == want, type(data).__name__
+        remember(memo, got)
+    assert block_hashes_memo(NS, toks, BS, None, memo, start=5) == ([], [], [])
+    with pytest.raises(TypeError, match="memo must be a dict"):
+        native.chain_memo(NS, toks, BS, b"", 0, 5, [])
+    with pytest.raises(TypeError, match="7 arguments"):
+        native.chain_memo(NS, toks, BS, b"", 0, 5)
+    with pytest.raises(ValueError, match="not within"):
+        native.chain_memo(NS, toks, BS, b"", 0, 6, {})
+    with pytest.raises(TypeError, match="memo_key takes bytes"):
+        native.memo_key("text")
+
+
+def test_python_path_has_no_memo(monkeypatch):
+    monkeypatch.setattr(hashing, "_native", None)
+    toks = tokens(7, 4 * BS)
+    assert block_hashes_memo(NS, toks, BS, None, {}) == (block_hashes(NS, toks, BS), None, None)
+
+
+def test_manager_remembers_its_nodes_and_forgets_evicted_ones(native, make_manager):
+    """Blocks come and go; the memo follows the tree and every entry stays true."""
+    with make_manager(num_gpu_blocks=16, block_size=BS) as mgr:
+        a = tokens(8, 6 * BS)
+        mgr.allocate("a", a)
+        mgr.commit("a", a, len(a))
+        mgr.free("a")
+        memo = mgr.tree.memo
+        assert len(memo) == 6 == mgr.tree.num_nodes
+        mgr.check_invariants()
+        alloc = mgr.allocate("a2", a + [1])  # every block now comes from the memo
+        assert alloc.hit.gpu_tokens == 6 * BS
+        mgr.free("a2")
+        b = tokens(9, 16 * BS)  # needs every GPU block: all of a's are evicted
+        mgr.allocate("b", b)
+        mgr.commit("b", b, len(b))
+        mgr.check_invariants()
+        assert len(memo) == mgr.tree.num_nodes
+        assert not any(n.hash in {h for h in block_hashes(mgr._ns, a, BS)}
+                       for n in memo.values())
+
+
+def test_manager_on_the_python_path_still_caches(monkeypatch, make_manager):
+    monkeypatch.setattr(hashing, "_native", None)
+    with make_manager(num_gpu_blocks=16, block_size=BS) as mgr:
+        a = tokens(10, 4 * BS + 1)
+        mgr.allocate("a", a)
+        mgr.commit("a", a, len(a))
+        mgr.free("a")
+        assert mgr.allocate("b", a).hit.gpu_tokens == 4 * BS
+        assert mgr.tree.memo == {}
+        mgr.check_invariants()
