@@ -68,7 +68,7 @@ class Node:
         self.gpu_key: int | None = None  # live key in the GPU LRU (LeafLRU), or None
         self.cpu_key: int | None = None  # live key in the CPU LRU
         self.input: bytes | None = None  # the bytes hashed into ``hash`` (BlockTree.memo)
-        self.mkey: int | None = None  # its key in BlockTree.memo
+        self.mkey: int | None = None  # its memo key while in the tree, else None
 
     @property
     def holds_gpu_for_parent(self) -> bool:
@@ -175,6 +175,7 @@ class LeafLRU:
 KEY_SHIFT = 64
 _DEPTH_BITS, _SEQ_BITS = 24, 40
 _DEPTH_MAX, _SEQ_MASK = (1 << _DEPTH_BITS) - 1, (1 << _SEQ_BITS) - 1
+MEMO_SLACK = 4096  # memo entries of removed nodes tolerated beyond 2x the live ones
 
 
 def lru_key(last_access: int, depth: int, seq: int) -> int:
@@ -190,8 +191,12 @@ class BlockTree:
     node, so that hashing a prompt takes the hash of every block the tree
     already holds instead of running BLAKE2b on it
     (``hashing.block_hashes_memo``): most of a prompt's blocks are hits. A
-    node is remembered when it is created with its input and forgotten when
-    it leaves the tree; a key already taken (a collision) keeps its node.
+    node is remembered when it is created with its input (the newest node of
+    a key wins). Like the LRU heaps, the memo deletes lazily: ``remove`` only
+    clears the node's ``mkey``, and the entries of removed nodes are dropped
+    in one pass once the memo holds twice the live ones (amortised O(1), and
+    no random access into a large dict per evicted block). Until then such an
+    entry still answers correctly: a node's input and hash never change.
     """
 
     def __init__(self) -> None:
@@ -201,6 +206,8 @@ class BlockTree:
         self.cpu_lru = LeafLRU("cpu_key")
         self.num_nodes = 0
         self.memo: dict[int, Node] = {}
+        self.memo_slack = MEMO_SLACK
+        self.memo_cap = MEMO_SLACK  # prune the memo when it grows past this
 
     def child(self, parent: Node, h: bytes) -> Node | None:
         return parent.children.get(h)
@@ -215,13 +222,16 @@ class BlockTree:
         if key is not None:
             node.input = block_input
             node.mkey = key
-            self.memo.setdefault(key, node)
+            memo = self.memo
+            memo[key] = node
+            if len(memo) > self.memo_cap:
+                self.prune_memo()
         return node
 
-    def _forget(self, node: Node) -> None:
-        key = node.mkey
-        if key is not None and self.memo.get(key) is node:
-            del self.memo[key]
+    def prune_memo(self) -> None:
+        """Drop the memo entries of nodes that left the tree."""
+        self.memo = {k: n for k, n in self.memo.items() if n.mkey is not None}
+        self.memo_cap = 2 * len(self.memo) + self.memo_slack
 
     def remove(self, node: Node) -> int:
         """Unlink ``node`` and its subtree; every removed node must hold no block.
@@ -234,9 +244,7 @@ class BlockTree:
         if not node.children:  # a leaf: no walk
             self.gpu_lru.discard(node)
             self.cpu_lru.discard(node)
-            key = node.mkey  # _forget, inlined: eviction drops leaves one by one
-            if key is not None and self.memo.get(key) is node:
-                del self.memo[key]
+            node.mkey = None  # out of the memo (lazily: see the class docstring)
             self.num_nodes -= 1
             return 1
         removed, stack = 0, [node]
@@ -245,7 +253,7 @@ class BlockTree:
             assert n.gpu < 0 and n.cpu < 0 and n.ref == 0, f"subtree holds blocks: {n}"
             self.gpu_lru.discard(n)
             self.cpu_lru.discard(n)
-            self._forget(n)
+            n.mkey = None
             stack.extend(n.children.values())
             n.children = {}
             removed += 1

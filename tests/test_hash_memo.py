@@ -3,7 +3,7 @@
 ``block_hashes_memo`` must return exactly ``block_hashes``'s hashes whatever
 the memo holds: the right nodes, nodes of other inputs under a colliding key,
 malformed entries, nothing. The manager keeps the memo to the nodes in its
-tree (``check_invariants`` verifies every entry hashes to its node's hash).
+tree, lazily (``check_invariants`` verifies every entry hashes to its node's hash).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 import kvcached.hashing as hashing
 from kvcached.hashing import block_hashes, block_hashes_memo, namespace_hash
+from kvcached.tree import MEMO_SLACK
 
 BS = 16
 NS = namespace_hash("model", "w1")
@@ -131,26 +132,40 @@ def test_python_path_has_no_memo(monkeypatch):
     assert block_hashes_memo(NS, toks, BS, None, {}) == (block_hashes(NS, toks, BS), None, None)
 
 
-def test_manager_remembers_its_nodes_and_forgets_evicted_ones(native, make_manager):
-    """Blocks come and go; the memo follows the tree and every entry stays true."""
+def serve(mgr, rid, toks: list[int]) -> None:
+    mgr.allocate(rid, toks)
+    mgr.commit(rid, toks, len(toks))
+    mgr.free(rid)
+
+
+def test_manager_memo_follows_the_tree_lazily(native, make_manager):
+    """Nodes are remembered when created; removal only marks them; a prune drops
+    the marked ones. Every entry stays true throughout (check_invariants)."""
     with make_manager(num_gpu_blocks=16, block_size=BS) as mgr:
+        tree = mgr.tree
         a = tokens(8, 6 * BS)
-        mgr.allocate("a", a)
-        mgr.commit("a", a, len(a))
-        mgr.free("a")
-        memo = mgr.tree.memo
-        assert len(memo) == 6 == mgr.tree.num_nodes
+        serve(mgr, "a", a)
+        a_nodes = list(tree.memo.values())
+        assert len(a_nodes) == 6 == tree.num_nodes and all(n.mkey is not None for n in a_nodes)
         mgr.check_invariants()
-        alloc = mgr.allocate("a2", a + [1])  # every block now comes from the memo
-        assert alloc.hit.gpu_tokens == 6 * BS
+        assert mgr.allocate("a2", a + [1]).hit.gpu_tokens == 6 * BS
         mgr.free("a2")
-        b = tokens(9, 16 * BS)  # needs every GPU block: all of a's are evicted
-        mgr.allocate("b", b)
-        mgr.commit("b", b, len(b))
+
+        serve(mgr, "b", tokens(9, 16 * BS))  # needs every GPU block: all of a's go
+        assert all(n.mkey is None for n in a_nodes)  # removed: marked, not yet dropped
+        assert len(tree.memo) == 6 + 16 and tree.num_nodes == 16
         mgr.check_invariants()
-        assert len(memo) == mgr.tree.num_nodes
-        assert not any(n.hash in {h for h in block_hashes(mgr._ns, a, BS)}
-                       for n in memo.values())
+        # a removed node's entry still answers, with its own bytes
+        hashes, inputs, _ = block_hashes_memo(mgr._ns, a, BS, None, tree.memo)
+        assert hashes == block_hashes(mgr._ns, a, BS)
+        assert all(x is n.input for x, n in zip(inputs, a_nodes))
+
+        tree.memo_cap = len(tree.memo)  # the next remembered node prunes
+        serve(mgr, "c", tokens(10, BS + 1))  # evicts 2 of b's blocks, adds 1 node
+        assert tree.num_nodes == 15
+        assert set(tree.memo.values()) == set(tree.walk())  # only live nodes are left
+        assert tree.memo_cap == 2 * 15 + MEMO_SLACK
+        mgr.check_invariants()
 
 
 def test_manager_on_the_python_path_still_caches(monkeypatch, make_manager):
