@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvcached.transfer import protocol
 from kvcached.transfer.protocol import (
     CONTROL_OPS,
+    DEFAULT_LIMITS,
     INT64_MAX,
     MAX_NESTING,
     MESSAGE_KINDS,
@@ -323,6 +324,68 @@ def tampered_frames(draw) -> bytes:
 @given(tampered_frames())
 def test_tampered_maps_rejected(raw):
     rejects(raw, BOUNDED)
+
+
+# --------------------------------------------------------------------------- hot paths
+# The worker's swaps and the coordinator's dones skip message objects
+# (quick_wire, encode_done); they must agree with decode/encode exactly.
+
+QUICK_KINDS = (Task, Done)
+
+
+def quick_agrees_with_decode(raw: bytes, limits: Limits) -> None:
+    """quick_wire accepts a frame only if decode does, with the same field values."""
+    for cls in QUICK_KINDS:
+        got = protocol.quick_wire(raw, cls, limits)
+        if got is None:
+            continue
+        msg = decode(raw, limits)
+        assert type(msg) is cls
+        assert {key: getattr(msg, attr) for attr, key, _, _ in cls._SPEC} == \
+            {key: got[key] for _, key, _, _ in cls._SPEC}
+
+
+@pytest.mark.parametrize("msg", [m for m in SAMPLES if type(m) in QUICK_KINDS],
+                         ids=lambda m: f"{m.KIND}-{getattr(m, 'kind', '')}")
+def test_quick_wire_rejects_every_bad_frame(msg):
+    raw = encode(msg, BOUNDED)
+    quick_agrees_with_decode(raw, BOUNDED)
+    accepted = [what for what, bad in bad_frames(msg)
+                if protocol.quick_wire(bad, type(msg), BOUNDED) is not None]
+    assert not accepted, f"quick path accepted bad frames: {accepted}"
+
+
+def test_quick_wire_takes_the_common_shapes():
+    swap = encode(Task(7, "swap_in", [1, 2], [3, 4]), BOUNDED)
+    assert protocol.quick_wire(swap, Task, BOUNDED)["dst"] == [3, 4]
+    assert protocol.quick_wire(swap, Done, BOUNDED) is None  # another kind
+    done = encode(Done(7, 1, True, "", 2, 0.5, {"bytes": 64, "copy_s": 0.1}), BOUNDED)
+    assert protocol.quick_wire(done, Done, BOUNDED)["result"] == {"bytes": 64, "copy_s": 0.1}
+    # shapes the full checks decide: control, args, nested results, ids out of range
+    for msg in (Task(8, "control", [], [], {"op": "pause"}),
+                Done(8, 1, True, "", 0, 0.0, {"ranks": {"0": 1}})):
+        assert protocol.quick_wire(encode(msg, BOUNDED), type(msg), BOUNDED) is None
+    assert protocol.quick_wire(encode(Task(9, "swap_out", [10], [0])), Task, BOUNDED) is None
+
+
+@FUZZ
+@given(st.one_of(messages, tampered_frames()))
+def test_quick_wire_agrees_with_decode(item):
+    raw = item if isinstance(item, bytes) else encode(item)
+    quick_agrees_with_decode(raw, BOUNDED)
+    quick_agrees_with_decode(raw, DEFAULT_LIMITS)
+
+
+@FUZZ
+@given(i64, i64, i64, floats, args_maps)
+def test_encode_done_is_the_same_bytes_as_done_encode(task_id, rank, blocks, elapsed, result):
+    def outcome(fn):
+        try:
+            return fn()
+        except ProtocolError as e:
+            return type(e)
+    want = outcome(lambda: Done(task_id, rank, True, "", blocks, elapsed, result).encode())
+    assert outcome(lambda: protocol.encode_done(task_id, rank, blocks, elapsed, result)) == want
 
 
 @FUZZ

@@ -635,6 +635,39 @@ def _check_keys_exact(obj: dict, cls: type[Message], task_id: int | None) -> Non
     raise ProtocolError(f"{cls.KIND}: {'; '.join(problems)}", kind=cls.KIND, task_id=task_id)
 
 
+def quick_wire(raw: bytes, cls: type[Message], limits: Limits) -> dict[str, Any] | None:
+    """The wire map of ``raw`` when it is a ``cls`` message (Task or Done) of the
+    common shape that the quick check accepts; None otherwise, and then
+    :func:`decode` says what the frame is or what is wrong with it. The hot
+    loops (a worker's swaps, the coordinator's dones) use the map as it is,
+    without building a message object: only checks that ``decode`` also makes
+    pass here, so both accept exactly the same frames on this path."""
+    try:
+        obj = _unpack(raw, limits)
+    except ProtocolError:
+        return None
+    if (type(obj) is dict and obj.get("kind") == cls.KIND and type(obj.get("v")) is int
+            and obj["v"] == PROTOCOL_VERSION and len(obj) == len(cls._KEYS)
+            and obj.keys() <= cls._KEYS and _QUICK[cls](obj, limits)):
+        return obj
+    return None
+
+
+def encode_done(task_id: int, rank: int, blocks_done: int, elapsed_s: float,
+                result: dict[str, Any], limits: Limits | None = None) -> bytes:
+    """``Done(task_id, rank, True, "", blocks_done, elapsed_s, result).encode(limits)``,
+    the same bytes, without the message object when the quick check passes."""
+    limits = limits or DEFAULT_LIMITS
+    wire = {"v": PROTOCOL_VERSION, "kind": Done.KIND, "task_id": task_id, "rank": rank,
+            "ok": True, "error": "", "blocks_done": blocks_done, "elapsed_s": elapsed_s,
+            "result": result}
+    if _quick_done(wire, limits):
+        raw = msgpack.packb(wire, use_bin_type=True)
+        if len(raw) <= limits.max_frame_bytes:
+            return raw
+    return encode(Done(task_id, rank, True, "", blocks_done, elapsed_s, result), limits)
+
+
 def decode(raw: bytes, limits: Limits | None = None) -> Message:
     """Decode and validate one frame; raises :class:`ProtocolError` on anything wrong.
 
@@ -665,5 +698,5 @@ __all__ = [
     "CONTROL_OPS", "DEFAULT_LIMITS", "MAX_NESTING", "MESSAGE_KINDS", "PROTOCOL_VERSION",
     "TASK_KINDS", "CtlReply", "CtlRequest", "Done", "ErrorReply", "Heartbeat", "Hello",
     "Limits", "Message", "ProtocolError", "Ready", "Shutdown", "Task", "clip", "decode",
-    "encode",
+    "encode", "encode_done", "quick_wire",
 ]

@@ -53,7 +53,8 @@ class Lane(threading.Thread):
         super().__init__(name=f"lane-{name}", daemon=True)
         self.lane = name
         self.worker = worker
-        self.tasks: queue.Queue[P.Task | None] = queue.Queue()
+        # (task_id, kind, src, dst, args) of each task, None to stop
+        self.tasks: queue.Queue[tuple | None] = queue.Queue()
         self.busy = False
         # Tasks handed to this lane whose Done the socket thread has not yet
         # forwarded; only the socket thread touches it, so "0" is race-free.
@@ -65,13 +66,12 @@ class Lane(threading.Thread):
         push.connect(self.worker.done_endpoint)
         try:
             while True:
-                msg = self.tasks.get()
-                if msg is None:
+                task = self.tasks.get()
+                if task is None:
                     return
                 self.busy = True
                 try:
-                    push.send_multipart([self.lane.encode(),
-                                         self.worker.execute(msg).encode()])
+                    push.send_multipart([self.lane.encode(), self.worker.execute(*task)])
                 finally:
                     self.busy = False
                     self.worker.idle_changed()
@@ -214,6 +214,11 @@ class Worker:
         return None
 
     def _on_frame(self, sock: zmq.Socket, raw: bytes) -> str:
+        wire = P.quick_wire(raw, P.Task, self.limits)
+        if wire is not None:  # a swap or noop: no message object on the hot path
+            self._run_task(sock, wire["task_id"], wire["task_kind"], wire["src"], wire["dst"],
+                           wire["args"])
+            return ""
         try:
             msg = P.decode(raw, self.limits)
         except P.ProtocolError as e:
@@ -224,13 +229,7 @@ class Worker:
                 sock.send(P.ErrorReply.from_exception(e).encode())
             return ""
         if type(msg) is P.Task:
-            lane = self.lanes[LANE_OF[msg.kind]]
-            if self._inline_ok(msg, lane):
-                sock.send(self.execute(msg).encode())  # no thread hand-offs
-            else:
-                lane.outstanding += 1
-                self._owed += 1
-                lane.tasks.put(msg)
+            self._run_task(sock, msg.task_id, msg.kind, msg.src, msg.dst, msg.args)
         elif isinstance(msg, P.Ready):
             if not msg.ok:
                 self.stop_reason = f"refused by the coordinator: {msg.error}"
@@ -246,34 +245,46 @@ class Worker:
         return ""
 
     # ------------------------------------------------------------- executing
-    def execute(self, msg: P.Task) -> P.Done:
-        """Run one task on a lane thread; never raises."""
+    def _run_task(self, sock: zmq.Socket, task_id: int, kind: str, src: list[int],
+                  dst: list[int], args: dict[str, Any]) -> None:
+        """Run a task here (small ones, see ``_inline_ok``) or queue it on its lane."""
+        lane = self.lanes[LANE_OF[kind]]
+        if self._inline_ok(kind, len(src), lane):
+            sock.send(self.execute(task_id, kind, src, dst, args))  # no thread hand-offs
+        else:
+            lane.outstanding += 1
+            self._owed += 1
+            lane.tasks.put((task_id, kind, src, dst, args))
+
+    def execute(self, task_id: int, kind: str, src: list[int], dst: list[int],
+                args: dict[str, Any]) -> bytes:
+        """Run one task; returns the encoded Done to send back. Never raises."""
         t0 = time.perf_counter()
         try:
-            if msg.kind == "control":
-                result = self.control(msg.args)
+            if kind == "control":
+                result = self.control(args)
             else:
-                result = self.executor.run(Task(msg.kind, msg.src, msg.dst, msg.args))
-            self.tasks_done += 1
+                result = self.executor.run(Task(kind, src, dst, args))
             result["finished"] = time.monotonic()  # lets tests check per-lane order
-            return P.Done(msg.task_id, self.rank, ok=True, blocks_done=len(msg.src or msg.dst),
-                          elapsed_s=time.perf_counter() - t0, result=result)
+            frame = P.encode_done(task_id, self.rank, len(src or dst),
+                                  time.perf_counter() - t0, result)
+            self.tasks_done += 1
+            return frame
         except Exception as e:
             self.tasks_failed += 1
-            logger.error("worker rank %d: %s task %d failed: %s", self.rank, msg.kind,
-                         msg.task_id, e)
-            return P.Done(msg.task_id, self.rank, ok=False, error=P.clip(f"{e}"),
-                          elapsed_s=time.perf_counter() - t0)
+            logger.error("worker rank %d: %s task %d failed: %s", self.rank, kind, task_id, e)
+            return P.Done(task_id, self.rank, ok=False, error=P.clip(f"{e}"),
+                          elapsed_s=time.perf_counter() - t0).encode()
 
     @staticmethod
-    def _inline_ok(msg: P.Task, lane: Lane) -> bool:
+    def _inline_ok(kind: str, n_ids: int, lane: Lane) -> bool:
         """Small copies and noops run on the socket thread when their lane is idle:
         order within the lane is kept, and the two thread hand-offs (most of a
         small task's latency) are saved. Big copies and control go to lanes so
         heartbeats and the other direction keep flowing."""
-        if msg.kind == "noop":
+        if kind == "noop":
             return True
-        small = msg.kind in ("swap_out", "swap_in") and len(msg.src) <= INLINE_MAX_BLOCKS
+        small = kind in ("swap_out", "swap_in") and n_ids <= INLINE_MAX_BLOCKS
         return small and lane.outstanding == 0
 
     def control(self, args: dict[str, Any]) -> dict[str, Any]:

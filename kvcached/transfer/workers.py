@@ -302,25 +302,35 @@ class WorkerTransfer(Transfer):
             logger.warning("coordinator: dropping a frame from unknown peer %r", ident[:32])
             self._reply_error(ident, "expected [identity rank-<r>, one msgpack frame]")
             return
+        w = self.workers[rank]
+        done = P.quick_wire(frames[1], P.Done, self.limits)
+        if done is not None:  # the common case: no message object
+            w.last_seen = time.monotonic()
+            self._on_done(rank, done["task_id"], done["rank"], done["ok"], done["error"],
+                          done["result"], done["elapsed_s"])
+            return
         try:
             msg = P.decode(frames[1], self.limits)
         except P.ProtocolError as e:
             logger.warning("coordinator: bad frame from rank %d: %s", rank, e)
             self._reply_error(ident, str(e))
             return
-        w = self.workers[rank]
         w.last_seen = time.monotonic()
-        if type(msg) is P.Done:  # the common case first
-            inf = self._inflight.get(msg.task_id)
-            if inf is not None and msg.rank == rank:
-                self._rank_answered(inf, rank, msg.ok, msg.error, result=msg.result,
-                                    elapsed=msg.elapsed_s)
+        if type(msg) is P.Done:
+            self._on_done(rank, msg.task_id, msg.rank, msg.ok, msg.error, msg.result,
+                          msg.elapsed_s)
         elif isinstance(msg, P.Hello):
             self._on_hello(w, msg)
         elif isinstance(msg, P.Heartbeat):
             w.info = msg.info
         elif isinstance(msg, P.ErrorReply):
             logger.warning("coordinator: rank %d says %s", rank, msg.error)
+
+    def _on_done(self, rank: int, task_id: int, said_rank: int, ok: bool, error: str,
+                 result: dict[str, Any], elapsed_s: float) -> None:
+        inf = self._inflight.get(task_id)
+        if inf is not None and said_rank == rank:  # a late or misaddressed answer is ignored
+            self._rank_answered(inf, rank, ok, error, result=result, elapsed=elapsed_s)
 
     def _reply_error(self, ident: bytes, error: str) -> None:
         try:
