@@ -12,8 +12,10 @@ In one run:
     ``handle.wait()``) for TP = 1, 2 and 4 worker processes, p50/p99; next to
     the raw ZeroMQ barrier round trip between the same kind of processes: a
     ROUTER sends the same bytes to N echo processes (DEALER, identity
-    ``rank-<r>``) and waits for all N replies. Target: p50 at TP=4 <= 2x the raw
-    barrier round trip. The layout is tiny (64 bytes per block) so the copy
+    ``rank-<r>``) and waits for all N replies. Both run at once and are timed
+    in alternating chunks of 100 calls, so that the ratio compares the two
+    under the same load of this shared machine. Target: p50 at TP=4 <= 2x the
+    raw barrier round trip. The layout is tiny (64 bytes per block) so the copy
     itself is negligible and the comparison is about the task machinery.
 
     python scripts/bench_transfer.py [--quick]
@@ -64,26 +66,12 @@ def task_payload() -> bytes:
     return P.Task(1, "swap_out", [0], [0]).encode()
 
 
-def worker_latency(tp: int, iters: int, warmup: int) -> dict:
-    """p50/p99 microseconds of submit -> wait for a 1-block swap_out (and a noop)."""
-    from kvcached import CacheConfig
-    from kvcached.manager import CacheManager
+def _time_tasks(transfer, kind: str, n: int, first: int) -> list[float]:
+    """Microseconds of submit -> wait for ``n`` one-block ``kind`` tasks."""
     from kvcached.transfer.base import Task
-    with short_tmp_dir("kvbt-") as d:
-        cfg = CacheConfig.load(**TINY, tp_size=tp, run_dir=str(d / "run"))
-        t0 = time.perf_counter()
-        with CacheManager(cfg) as mgr:
-            log(f"TP={tp}: {tp} workers ready in {time.perf_counter() - t0:.1f}s")
-            out = {kind: _time_tasks(mgr.transfer, Task, kind, iters, warmup)
-                   for kind in ("swap_out", "noop")}
-    return {"p50_us": out["swap_out"][0], "p99_us": out["swap_out"][1],
-            "noop_p50_us": out["noop"][0], "noop_p99_us": out["noop"][1]}
-
-
-def _time_tasks(transfer, Task, kind: str, iters: int, warmup: int) -> tuple[float, float]:
     samples = []
     clock = time.perf_counter
-    for i in range(warmup + iters):
+    for i in range(first, first + n):
         ids = [i % 64] if kind == "swap_out" else []
         t0 = clock()
         h = transfer.submit(Task(kind, ids, list(ids)))
@@ -92,48 +80,85 @@ def _time_tasks(transfer, Task, kind: str, iters: int, warmup: int) -> tuple[flo
         dt = clock() - t0
         if not h.result.ok:
             raise RuntimeError(f"{kind} task failed: {h.result.error}")
-        if i >= warmup:
-            samples.append(dt * 1e6)
+        samples.append(dt * 1e6)
         transfer.completed.clear()  # nobody reaps: keep the queue from growing
-    return percentile(samples, 0.5), percentile(samples, 0.99)
+    return samples
 
 
-def raw_barrier(n: int, iters: int, warmup: int, payload: bytes) -> dict:
-    """p50/p99 microseconds of one frame to each of ``n`` echo processes and back."""
-    with short_tmp_dir("kvbe-") as d:
-        ctx = zmq.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
-        endpoint = f"ipc://{d / 'echo.sock'}"
-        router.bind(endpoint)
-        idents = [f"rank-{r}".encode() for r in range(n)]
-        procs = [subprocess.Popen([sys.executable, __file__, "--echo", endpoint, "--rank",
-                                   str(r)]) for r in range(n)]
-        try:
-            _wait_connected(router, idents)
-            samples = []
-            clock = time.perf_counter
-            for i in range(warmup + iters):
-                t0 = clock()
-                for ident in idents:
-                    router.send_multipart([ident, payload])
-                for _ in idents:
-                    router.recv_multipart()
-                if i >= warmup:
-                    samples.append((clock() - t0) * 1e6)
+class EchoFleet:
+    """The raw baseline: a ROUTER and ``n`` echo processes (DEALER ``rank-<r>``)."""
+
+    def __init__(self, n: int, payload: bytes, run_dir: Path):
+        self.n, self.payload = n, payload
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a drop
+        endpoint = f"ipc://{run_dir / 'echo.sock'}"
+        self.router.bind(endpoint)
+        self.idents = [f"rank-{r}".encode() for r in range(n)]
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--echo", endpoint,
+                                        "--rank", str(r)]) for r in range(n)]
+        _wait_connected(self.router, self.idents)
+
+    def round_trips(self, n: int) -> list[float]:
+        """Microseconds of one frame to every echo process and all replies back."""
+        router, idents, payload = self.router, self.idents, self.payload
+        clock = time.perf_counter
+        samples = []
+        for _ in range(n):
+            t0 = clock()
             for ident in idents:
-                router.send_multipart([ident, b"stop"])
+                router.send_multipart([ident, payload])
+            for _ in idents:
+                router.recv_multipart()
+            samples.append((clock() - t0) * 1e6)
+        return samples
+
+    def close(self) -> None:
+        for ident in self.idents:
+            try:
+                self.router.send_multipart([ident, b"stop"])
+            except zmq.ZMQError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.router.close()
+        self.ctx.term()
+
+
+def latency_at(tp: int, iters: int, warmup: int, payload: bytes, chunk: int = 100) -> dict:
+    """Task and raw round-trip latency at ``tp`` ranks, measured in alternating
+    chunks of ``chunk`` calls so that both see the same state of the machine."""
+    from kvcached import CacheConfig
+    from kvcached.manager import CacheManager
+    with short_tmp_dir("kvbt-") as d:
+        fleet = EchoFleet(tp, payload, d)
+        try:
+            cfg = CacheConfig.load(**TINY, tp_size=tp, run_dir=str(d / "run"))
+            t0 = time.perf_counter()
+            with CacheManager(cfg) as mgr:
+                log(f"TP={tp}: {tp} workers ready in {time.perf_counter() - t0:.1f}s")
+                fleet.round_trips(warmup)
+                for kind in ("swap_out", "noop"):
+                    _time_tasks(mgr.transfer, kind, warmup, 0)
+                samples: dict[str, list[float]] = {"raw": [], "swap_out": [], "noop": []}
+                for first in range(0, iters, chunk):
+                    n = min(chunk, iters - first)
+                    samples["raw"] += fleet.round_trips(n)
+                    for kind in ("swap_out", "noop"):
+                        samples[kind] += _time_tasks(mgr.transfer, kind, n, first)
         finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-            router.close()
-            ctx.term()
-    return {"p50_us": percentile(samples, 0.5), "p99_us": percentile(samples, 0.99)}
+            fleet.close()
+    p50 = {k: percentile(v, 0.5) for k, v in samples.items()}
+    p99 = {k: percentile(v, 0.99) for k, v in samples.items()}
+    return {"task": {"p50_us": p50["swap_out"], "p99_us": p99["swap_out"],
+                     "noop_p50_us": p50["noop"], "noop_p99_us": p99["noop"]},
+            "raw": {"p50_us": p50["raw"], "p99_us": p99["raw"]}}
 
 
 def _wait_connected(router: zmq.Socket, idents: list[bytes], timeout_s: float = 60.0) -> None:
@@ -175,8 +200,8 @@ def bench_latency(quick: bool) -> dict:
     payload = task_payload()
     tasks, raw = {}, {}
     for tp in TP_SIZES:
-        raw[str(tp)] = raw_barrier(tp, iters, warmup, payload)
-        tasks[str(tp)] = worker_latency(tp, iters, warmup)
+        res = latency_at(tp, iters, warmup, payload)
+        tasks[str(tp)], raw[str(tp)] = res["task"], res["raw"]
         log(f"TP={tp}: task p50 {tasks[str(tp)]['p50_us']:.0f} us, raw barrier p50 "
             f"{raw[str(tp)]['p50_us']:.0f} us")
     top = str(TP_SIZES[-1])
