@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -294,10 +295,89 @@ def test_tasks_flow_when_the_engine_has_many_open_files(workers_manager):
     try:
         mgr = workers_manager(num_cpu_blocks=4)
         assert mgr.transfer._wake_r > 256  # the case under test
+        t = mgr.transfer
         for kind, ids in (("noop", []), ("swap_out", [1]), ("swap_in", [1])):
-            h = mgr.transfer.submit(Task(kind, ids, list(ids)))
-            assert h.wait(10), f"{kind} task never completed"
+            with t._sock_lock:  # busy socket: the task goes through the IO thread
+                h = t.submit(Task(kind, ids, list(ids)))
+            wait_for(h.done, 10, f"the IO thread to send and finish a {kind} task")
             assert h.result.ok, h.result.error
     finally:
         for fd in spare:
             os.close(fd)
+
+
+def test_a_waiting_thread_reads_its_own_answers(workers_manager):
+    """The hot path needs no other thread: with the IO thread stalled, the
+    submitting thread sends the task and the waiting thread reads the answers."""
+    from kvcached.transfer.base import Task
+    t = workers_manager(tp_size=2, num_cpu_blocks=4).transfer
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall(fds, timeout):
+        stalled.set()
+        release.wait(30)
+        return []
+
+    t._io_wait = stall
+    try:
+        assert stalled.wait(5), "the IO thread never went back to sleep"
+        for i in range(20):
+            kind, ids = ("noop", []) if i % 2 else ("swap_out", [i % 4])
+            h = t.submit(Task(kind, ids, list(ids)))
+            assert h.wait(5), f"task {i} did not finish without the IO thread"
+            assert h.result.ok, h.result.error
+    finally:
+        del t._io_wait
+        release.set()
+
+
+def test_concurrent_waiters_each_get_their_answer_once(workers_manager):
+    """One waiter leads at a time; the others sleep on their handles and take
+    over when it leaves. Every task completes, each exactly once."""
+    from kvcached.transfer.base import Task
+    t = workers_manager(tp_size=2, num_cpu_blocks=8).transfer
+    results, errors = {}, []
+
+    def run(k: int) -> None:
+        try:
+            for i in range(25):
+                ids = [] if i % 2 else [k]
+                h = t.submit(Task("noop" if i % 2 else "swap_out", ids, list(ids)))
+                assert h.wait(10), f"thread {k}: task {i} never finished"
+                results[h.task.task_id] = h.result.ok
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors and not any(th.is_alive() for th in threads), errors
+    assert len(results) == 100 and all(results.values())
+    done = [h.task.task_id for h in t.completed]
+    assert sorted(done) == sorted(results)  # completed once each
+
+
+def test_close_returns_a_thread_that_waits(workers_manager):
+    """close() while a waiter leads on a task that cannot finish (its worker is
+    stopped): the waiter comes back with the task failed, nothing hangs."""
+    from kvcached.transfer.base import Task
+    t = workers_manager(tp_size=1, num_cpu_blocks=4).transfer
+    pid = t.workers[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        h = t.submit(Task("noop", [], []))
+        out = {}
+        waiter = threading.Thread(target=lambda: out.setdefault("waited", h.wait(60)))
+        waiter.start()
+        wait_for(t._lead_lock.locked, 5, "the waiter to lead")
+        t.close()
+        waiter.join(10)
+        assert not waiter.is_alive() and out["waited"]
+        assert not h.result.ok and "closed" in h.result.error
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass

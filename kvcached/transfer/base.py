@@ -16,6 +16,7 @@ import collections
 import itertools
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,14 +58,18 @@ class TaskHandle:
     passes.
     """
 
-    __slots__ = ("task", "result", "_pending", "_sink")
+    __slots__ = ("task", "result", "_pending", "_sink", "_waiter")
 
-    def __init__(self, task: Task, sink: collections.deque):
+    def __init__(self, task: Task, sink: collections.deque,
+                 waiter: Callable[[TaskHandle, float | None], bool] | None = None):
         self.task = task
         self.result: TaskResult | None = None
         self._pending = threading.Lock()  # the C lock itself: no Python wrapper
         self._pending.acquire()  # released by complete()
         self._sink = sink
+        # How the transfer waits for its tasks, when not just on the lock: a
+        # WorkerTransfer lets the waiting thread read the answers itself.
+        self._waiter = waiter
 
     def done(self) -> bool:
         return self.result is not None
@@ -73,6 +78,12 @@ class TaskHandle:
         """True when completed within ``timeout`` seconds."""
         if self.result is not None:
             return True
+        if self._waiter is not None:
+            return self._waiter(self, timeout)
+        return self.wait_completed(timeout)
+
+    def wait_completed(self, timeout: float | None = None) -> bool:
+        """Sleep until another thread completes the handle (or ``timeout`` s pass)."""
         got = self._pending.acquire(True, -1 if timeout is None else max(timeout, 0.0))
         if got:
             self._pending.release()

@@ -1,10 +1,15 @@
 """WorkerTransfer: the engine-side coordinator of one worker process per TP rank.
 
-One IO thread owns the ROUTER socket (and the control socket). The manager's
-thread hands it tasks through a queue and a wake-up pipe, so a task leaves
-immediately without polling delays. A task goes to every rank; it completes
-only when every rank has answered or been declared lost (the barrier), and
-it is ok only if every rank is ok.
+The ROUTER socket is used only by the thread holding ``_sock_lock`` (ZeroMQ
+sockets are not thread-safe; taking a lock is the full memory barrier ZeroMQ
+asks for when a socket changes threads). A submitting thread sends its task
+itself when the lock is free, else queues it for the IO thread (a wake-up
+pipe). A thread that waits on a task reads the answers itself, as the one
+"leader" (``_lead``), so the hot path has no hand-off between threads; other
+waiters sleep on their handles. The IO thread does the rest: heartbeats,
+liveness, deadlines, restarts, answers nobody waits for. A task goes to every
+rank; it completes only when every rank has answered or been declared lost
+(the barrier), and it is ok only if every rank is ok.
 
 A worker is lost when its process exits (seen through ``Popen.poll``), when
 it is silent for ``worker_timeout_s``, or when it leaves a task unanswered
@@ -21,6 +26,7 @@ import collections
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -47,6 +53,9 @@ logger = logging.getLogger(__name__)
 # Liveness checks (Popen.poll per worker), task deadlines, restarts and
 # heartbeats run at most this often, not on every wake-up of the IO thread.
 CHORES_S = 0.005
+# A leader's longest sleep on the ROUTER's fd: bounds what a missed edge of that
+# (edge-triggered) fd can cost, and how soon a waiter notices a leader leaving.
+LEAD_NAP_S = 0.001
 CLOSE_LINGER_MS = 200
 # Plain ints: the IntFlag members of pyzmq cost an enum operation per use.
 _POLLIN, _SNDMORE, _EVENTS, _RCVMORE = (int(f) for f in (zmq.POLLIN, zmq.SNDMORE, zmq.EVENTS,
@@ -107,6 +116,8 @@ class WorkerTransfer(Transfer):
         self._paused = False  # pause/sleep: tasks are held here, in order, until resume
         self._held: list[TaskHandle] = []
         self._hb_seq = 0
+        self._sock_lock = threading.Lock()  # held by whoever uses the ROUTER
+        self._lead_lock = threading.Lock()  # held by the one waiter reading answers
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -122,6 +133,7 @@ class WorkerTransfer(Transfer):
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a drop
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its name back
         self._router.bind(endpoint)
+        self._router_fd = self._router.getsockopt(zmq.FD)  # readable: look at EVENTS
         self._thread = threading.Thread(target=self._io_loop, name="kvcached-coordinator",
                                         daemon=True)
         self._thread.start()
@@ -187,8 +199,67 @@ class WorkerTransfer(Transfer):
                                        lost=True))
             return handle
         self._outbox.append(handle)
-        self._wake()
+        if self._sock_lock.acquire(False):  # nobody is using the socket: send it now
+            try:
+                self._pump()
+            finally:
+                self._sock_lock.release()
+        else:
+            self._wake()
         return handle
+
+    def new_handle(self, task: Task) -> TaskHandle:
+        task.task_id = next(self._ids)
+        return TaskHandle(task, self.completed, self._wait)
+
+    def _wait(self, handle: TaskHandle, timeout: float | None) -> bool:
+        """``TaskHandle.wait``: the first waiter leads (reads the ROUTER itself until
+        its task is done); the others sleep on their handles and take over when
+        the leader leaves."""
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        while handle.result is None:
+            left = LEAD_NAP_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._stop.is_set():  # closing: close() completes every handle
+                return handle.wait_completed(None if deadline is None else left)
+            if self._lead_lock.acquire(False):
+                try:
+                    return self._lead(handle, deadline)
+                finally:
+                    self._lead_lock.release()
+            handle.wait_completed(min(left, LEAD_NAP_S))
+        return True
+
+    def _lead(self, handle: TaskHandle, deadline: float | None) -> bool:
+        """Read answers on this thread until ``handle`` completes: no thread hand-off
+        between the worker's answer and the waiter. Sleeps on the ROUTER's fd,
+        never holding the socket while asleep."""
+        while handle.result is None and not self._stop.is_set():
+            if self._sock_lock.acquire(False):
+                try:
+                    self._pump()
+                finally:
+                    self._sock_lock.release()
+                if handle.result is not None:
+                    break
+                nap = LEAD_NAP_S
+            else:
+                nap = 0.0  # the IO thread is pumping: it may complete us
+            left = LEAD_NAP_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if nap == 0.0:
+                handle.wait_completed(min(left, LEAD_NAP_S))
+                continue
+            try:
+                select.select([self._router_fd], [], [], min(left, nap))
+            except (OSError, ValueError):  # the socket closed under us: see _stop
+                pass
+        if handle.result is None:  # closing
+            return handle.wait_completed(None if deadline is None
+                                         else max(deadline - time.monotonic(), 0.0))
+        return True
 
     def _wake(self) -> None:
         try:
@@ -204,44 +275,62 @@ class WorkerTransfer(Transfer):
 
     # ------------------------------------------------------------- IO thread
     def _io_loop(self) -> None:
-        # zmq_poll on a prebuilt list: the Poller wrapper costs more per call.
-        items = [(self._router, _POLLIN), (self._wake_r, _POLLIN)]
         last_hb = next_chores = 0.0
         interval = self.cfg.heartbeat_interval_s
-        timeout_ms = max(1, int(interval * 1000 / 2))
+        idle_s = max(0.001, interval / 2)
         try:
             while not self._stop.is_set():
-                for ready, _ in zmq.zmq_poll(items, timeout_ms):
-                    # zmq_poll hands back the socket object itself but a new
-                    # int for a file descriptor: only the socket compares by
-                    # identity (an fd above 256 is not a cached small int).
-                    if ready is self._router:
-                        self._recv_all()
-                    else:
-                        os.read(self._wake_r, 4096)
-                        self._take_outbox()
-                if self._held and not self._paused:
-                    held, self._held = self._held, []
-                    for h in held:
-                        self._send_task(h)
-                now = time.monotonic()
-                if now < next_chores:
-                    continue  # liveness and deadlines: every few ms, not per frame
-                next_chores = now + CHORES_S
-                if now - last_hb > interval:
-                    self._send_heartbeats()
-                    last_hb = now
-                self._check_liveness(now)
+                if self._lead_lock.locked():
+                    # A waiter reads the answers: stay off the socket's fd (one
+                    # wake-up per answer, not two) but look again soon.
+                    fds, timeout = [self._wake_r], CHORES_S
+                else:
+                    fds, timeout = [self._wake_r, self._router_fd], idle_s
+                ready = self._io_wait(fds, timeout)
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                with self._sock_lock:
+                    # Answers are the leader's to read while there is one: taking
+                    # them here would leave it asleep on an fd that already fired.
+                    self._pump(read=not self._lead_lock.locked())
+                    now = time.monotonic()
+                    if now < next_chores:
+                        continue  # liveness and deadlines: every few ms, not per frame
+                    next_chores = now + CHORES_S
+                    if now - last_hb > interval:
+                        self._send_heartbeats()
+                        last_hb = now
+                    self._check_liveness(now)
         except Exception:
             logger.exception("coordinator IO thread died; failing all tasks")
             self._healthy = False
         finally:
-            for w in self.workers:
-                if w.ready:
-                    self._send(w.rank, P.Shutdown("engine closing").encode())
-            # A short linger so the last words (Shutdown, a refusal) reach the
-            # workers; never long enough to hang a closing engine.
-            self._router.close(linger=CLOSE_LINGER_MS)
+            with self._sock_lock:
+                for w in self.workers:
+                    if w.ready:
+                        self._send(w.rank, P.Shutdown("engine closing").encode())
+                # A short linger so the last words (Shutdown, a refusal) reach the
+                # workers; never long enough to hang a closing engine.
+                self._router.close(linger=CLOSE_LINGER_MS)
+
+    @staticmethod
+    def _io_wait(fds: list[int], timeout: float) -> list[int]:
+        """The IO thread's sleep (a method: tests stall it)."""
+        return select.select(fds, [], [], timeout)[0]
+
+    def _pump(self, read: bool = True) -> None:
+        """With the socket: send what waits (held tasks first once resumed, then the
+        outbox, in order), then handle every message that arrived. Reading last
+        leaves the fd's edge armed for whoever sleeps on it next."""
+        if self._router.closed:
+            return
+        if self._held and not self._paused:
+            held, self._held = self._held, []
+            for h in held:
+                self._send_task(h)
+        self._take_outbox()
+        if read:
+            self._recv_all()
 
     def _take_outbox(self) -> None:
         while self._outbox:
