@@ -376,16 +376,29 @@ def test_quick_wire_agrees_with_decode(item):
     quick_agrees_with_decode(raw, DEFAULT_LIMITS)
 
 
+def outcome(fn):
+    """The bytes ``fn`` returns, or the ProtocolError it raises (by message)."""
+    try:
+        return fn()
+    except ProtocolError as e:
+        return str(e)
+
+
 @FUZZ
 @given(i64, i64, i64, floats, args_maps)
 def test_encode_done_is_the_same_bytes_as_done_encode(task_id, rank, blocks, elapsed, result):
-    def outcome(fn):
-        try:
-            return fn()
-        except ProtocolError as e:
-            return type(e)
     want = outcome(lambda: Done(task_id, rank, True, "", blocks, elapsed, result).encode())
     assert outcome(lambda: protocol.encode_done(task_id, rank, blocks, elapsed, result)) == want
+
+
+@FUZZ
+@given(tasks(), st.sampled_from([BOUNDED, DEFAULT_LIMITS, Limits(num_device_blocks=2,
+                                                                  num_host_blocks=2)]))
+def test_encode_task_is_the_same_bytes_as_task_encode(task, limits):
+    want = outcome(lambda: task.encode(limits))
+    got = outcome(lambda: protocol.encode_task(task.task_id, task.kind, task.src, task.dst,
+                                               task.args, limits))
+    assert got == want
 
 
 @FUZZ

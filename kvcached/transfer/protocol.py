@@ -653,6 +653,20 @@ def quick_wire(raw: bytes, cls: type[Message], limits: Limits) -> dict[str, Any]
     return None
 
 
+def encode_task(task_id: int, kind: str, src: list[int], dst: list[int],
+                args: dict[str, Any], limits: Limits | None = None) -> bytes:
+    """``Task(task_id, kind, src, dst, args).encode(limits)``, the same bytes, without
+    the message object when the quick check passes (the coordinator's hot path)."""
+    limits = limits or DEFAULT_LIMITS
+    wire = {"v": PROTOCOL_VERSION, "kind": Task.KIND, "task_id": task_id, "task_kind": kind,
+            "src": src, "dst": dst, "args": args}
+    if _quick_task(wire, limits):
+        raw = msgpack.packb(wire, use_bin_type=True)
+        if len(raw) <= limits.max_frame_bytes:
+            return raw
+    return encode(Task(task_id, kind, src, dst, args), limits)
+
+
 def encode_done(task_id: int, rank: int, blocks_done: int, elapsed_s: float,
                 result: dict[str, Any], limits: Limits | None = None) -> bytes:
     """``Done(task_id, rank, True, "", blocks_done, elapsed_s, result).encode(limits)``,
@@ -698,5 +712,5 @@ __all__ = [
     "CONTROL_OPS", "DEFAULT_LIMITS", "MAX_NESTING", "MESSAGE_KINDS", "PROTOCOL_VERSION",
     "TASK_KINDS", "CtlReply", "CtlRequest", "Done", "ErrorReply", "Heartbeat", "Hello",
     "Limits", "Message", "ProtocolError", "Ready", "Shutdown", "Task", "clip", "decode",
-    "encode", "encode_done", "quick_wire",
+    "encode", "encode_done", "encode_task", "quick_wire",
 ]
