@@ -236,24 +236,22 @@ class WorkerTransfer(Transfer):
         between the worker's answer and the waiter. Sleeps on the ROUTER's fd,
         never holding the socket while asleep."""
         while handle.result is None and not self._stop.is_set():
-            if self._sock_lock.acquire(False):
-                try:
-                    self._pump()
-                finally:
-                    self._sock_lock.release()
-                if handle.result is not None:
-                    break
-                nap = LEAD_NAP_S
-            else:
-                nap = 0.0  # the IO thread is pumping: it may complete us
             left = LEAD_NAP_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
-            if nap == 0.0:
-                handle.wait_completed(min(left, LEAD_NAP_S))
+            # The IO thread holds the socket only briefly (it leaves answers to us):
+            # block on the lock rather than on the handle, to read right after it.
+            if not self._sock_lock.acquire(True, min(left, LEAD_NAP_S)):
                 continue
             try:
-                select.select([self._router_fd], [], [], min(left, nap))
+                self._pump()
+            finally:
+                self._sock_lock.release()
+            if handle.result is not None:
+                break
+            left = LEAD_NAP_S if deadline is None else deadline - time.monotonic()
+            try:
+                select.select([self._router_fd], [], [], max(0.0, min(left, LEAD_NAP_S)))
             except (OSError, ValueError):  # the socket closed under us: see _stop
                 pass
         if handle.result is None:  # closing
