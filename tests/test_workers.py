@@ -381,3 +381,28 @@ def test_close_returns_a_thread_that_waits(workers_manager):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+
+
+def test_submitting_while_closing_never_hangs(workers_manager):
+    """Tasks submitted while (or after) the transfer closes all complete: done, or
+    failed with "transfer closed"; no wait is left without an answer."""
+    from kvcached.transfer.base import Task
+    t = workers_manager(tp_size=1, num_cpu_blocks=4).transfer
+    handles, stop = [], threading.Event()
+
+    def submit_forever() -> None:
+        while not stop.is_set():
+            h = t.submit(Task("noop", [], []))
+            handles.append(h)
+            h.wait(10)
+
+    th = threading.Thread(target=submit_forever)
+    th.start()
+    wait_for(lambda: len(handles) > 20, 10, "tasks to flow")
+    t.close()
+    stop.set()
+    th.join(15)
+    assert not th.is_alive(), "a submit or wait hung across close()"
+    assert all(h.done() for h in handles)
+    late = t.submit(Task("noop", [], []))
+    assert late.wait(1) and not late.result.ok and "closed" in late.result.error

@@ -199,9 +199,13 @@ class WorkerTransfer(Transfer):
                                        lost=True))
             return handle
         self._outbox.append(handle)
-        if self._sock_lock.acquire(False):  # nobody is using the socket: send it now
+        if self._stop.is_set():  # closed meanwhile: close() may have drained already
+            for h in self._drain_outbox():
+                h.complete(TaskResult(h.task.task_id, False, "transfer closed"))
+        elif self._sock_lock.acquire(False):  # nobody is using the socket: send it now
             try:
-                self._pump()
+                # Answers are a leader's to read, if there is one (see _io_loop).
+                self._pump(read=not self._lead_lock.locked())
             finally:
                 self._sock_lock.release()
         else:
