@@ -502,7 +502,12 @@ def _bounds(kind: str, limits: Limits) -> tuple[int, int]:
 
 
 def _ids_within(ids: list, bound: int) -> bool:
-    return not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < bound)
+    if len(ids) == 1:  # the common one-block task, without building sets
+        return type(ids[0]) is int and 0 <= ids[0] < bound
+    return not ids or (set(map(type, ids)) == _INT_ONLY and min(ids) >= 0 and max(ids) < bound)
+
+
+_INT_ONLY = {int}
 
 
 def _quick_task(wire: dict[str, Any], limits: Limits) -> bool:
