@@ -507,7 +507,7 @@ def _ids_within(ids: list, bound: int) -> bool:
     return not ids or (set(map(type, ids)) == _INT_ONLY and min(ids) >= 0 and max(ids) < bound)
 
 
-_INT_ONLY = {int}
+_INT_ONLY = frozenset({int})
 
 
 def _quick_task(wire: dict[str, Any], limits: Limits) -> bool:
@@ -662,29 +662,32 @@ def encode_task(task_id: int, kind: str, src: list[int], dst: list[int],
                 args: dict[str, Any], limits: Limits | None = None) -> bytes:
     """``Task(task_id, kind, src, dst, args).encode(limits)``, the same bytes, without
     the message object when the quick check passes (the coordinator's hot path)."""
-    limits = limits or DEFAULT_LIMITS
     wire = {"v": PROTOCOL_VERSION, "kind": Task.KIND, "task_id": task_id, "task_kind": kind,
             "src": src, "dst": dst, "args": args}
-    if _quick_task(wire, limits):
-        raw = msgpack.packb(wire, use_bin_type=True)
-        if len(raw) <= limits.max_frame_bytes:
-            return raw
-    return encode(Task(task_id, kind, src, dst, args), limits)
+    return _pack_quick(Task, wire, limits, lambda: Task(task_id, kind, src, dst, args))
 
 
 def encode_done(task_id: int, rank: int, blocks_done: int, elapsed_s: float,
                 result: dict[str, Any], limits: Limits | None = None) -> bytes:
     """``Done(task_id, rank, True, "", blocks_done, elapsed_s, result).encode(limits)``,
     the same bytes, without the message object when the quick check passes."""
-    limits = limits or DEFAULT_LIMITS
     wire = {"v": PROTOCOL_VERSION, "kind": Done.KIND, "task_id": task_id, "rank": rank,
             "ok": True, "error": "", "blocks_done": blocks_done, "elapsed_s": elapsed_s,
             "result": result}
-    if _quick_done(wire, limits):
+    return _pack_quick(Done, wire, limits,
+                       lambda: Done(task_id, rank, True, "", blocks_done, elapsed_s, result))
+
+
+def _pack_quick(cls: type[Message], wire: dict[str, Any], limits: Limits | None,
+                message: Callable[[], Message]) -> bytes:
+    """Pack ``wire`` (in the order ``_to_wire`` builds it) if the quick check takes
+    it; otherwise the full :func:`encode` of ``message()`` decides (or raises)."""
+    limits = limits or DEFAULT_LIMITS
+    if _QUICK[cls](wire, limits):
         raw = msgpack.packb(wire, use_bin_type=True)
         if len(raw) <= limits.max_frame_bytes:
             return raw
-    return encode(Done(task_id, rank, True, "", blocks_done, elapsed_s, result), limits)
+    return encode(message(), limits)
 
 
 def decode(raw: bytes, limits: Limits | None = None) -> Message:
