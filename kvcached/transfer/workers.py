@@ -222,7 +222,7 @@ class WorkerTransfer(Transfer):
         the leader leaves."""
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         while handle.result is None:
-            left = LEAD_NAP_S if deadline is None else deadline - time.monotonic()
+            left = _time_left(deadline)
             if left <= 0:
                 return False
             if self._stop.is_set():  # closing: close() completes every handle
@@ -240,7 +240,7 @@ class WorkerTransfer(Transfer):
         between the worker's answer and the waiter. Sleeps on the ROUTER's fd,
         never holding the socket while asleep."""
         while handle.result is None and not self._stop.is_set():
-            left = LEAD_NAP_S if deadline is None else deadline - time.monotonic()
+            left = _time_left(deadline)
             if left <= 0:
                 return False
             # The IO thread holds the socket only briefly (it leaves answers to us):
@@ -253,7 +253,7 @@ class WorkerTransfer(Transfer):
                 self._sock_lock.release()
             if handle.result is not None:
                 break
-            left = LEAD_NAP_S if deadline is None else deadline - time.monotonic()
+            left = _time_left(deadline)
             try:
                 select.select([self._router_fd], [], [], max(0.0, min(left, LEAD_NAP_S)))
             except (OSError, ValueError):  # the socket closed under us: see _stop
@@ -586,6 +586,11 @@ class WorkerTransfer(Transfer):
                     return False
                 self._ready_cv.wait(min(left, 0.1))
         return True
+
+
+def _time_left(deadline: float | None) -> float:
+    """Seconds until ``deadline``; one nap's worth when there is none (wait forever)."""
+    return LEAD_NAP_S if deadline is None else deadline - time.monotonic()
 
 
 def _kill_pid(pid: int) -> None:
