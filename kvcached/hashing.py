@@ -16,12 +16,10 @@ is no compiler or Python headers (one warning) or ``KVCACHED_NO_NATIVE=1``
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.util
 import logging
 import os
 import sys
-import sysconfig
 import threading
 from collections.abc import Sequence
 from hashlib import blake2b
@@ -205,25 +203,7 @@ def native_error() -> str | None:
 
 
 def _build_and_import() -> ModuleType:
-    nb = _native_build()
-    include = sysconfig.get_paths()["include"]
-    if not (Path(include) / "Python.h").is_file():
-        raise nb.CompilerNotFound(f"Python headers not found ({include}/Python.h); install "
-                                  f"the python{sys.version_info[0]}.{sys.version_info[1]}-dev "
-                                  "package to build the native block hasher")
-    flags = ["-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-fvisibility=hidden", f"-I{include}"]
-    if sys.platform == "darwin":
-        flags += ["-undefined", "dynamic_lookup"]
-    # The ABI tag goes into the file name: another Python gets its own build.
-    tag = (sysconfig.get_config_var("EXT_SUFFIX") or ".so").removesuffix(".so")
-    path = nb.build_shared_library(f"kvc_block_hash{tag}", [NATIVE_SOURCE], flags=flags)
-    loader = importlib.machinery.ExtensionFileLoader(NATIVE_MODULE, str(path))
-    spec = importlib.util.spec_from_file_location(NATIVE_MODULE, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path} as {NATIVE_MODULE}")
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return _native_build().import_extension(NATIVE_MODULE, NATIVE_SOURCE, "kvc_block_hash")
 
 
 def _native_build() -> ModuleType:

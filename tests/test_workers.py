@@ -406,3 +406,39 @@ def test_submitting_while_closing_never_hangs(workers_manager):
     assert all(h.done() for h in handles)
     late = t.submit(Task("noop", [], []))
     assert late.wait(1) and not late.result.ok and "closed" in late.result.error
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_small_swaps_take_the_native_path_and_give_the_same_bytes(workers_manager, monkeypatch,
+                                                                  native):
+    """1-block swaps are served natively (fastpath), a 9-block one by the Python path;
+    with KVCACHED_NO_NATIVE=1 every task takes the Python path. Same bytes either way."""
+    from kvcached.transfer.base import Task
+    from kvcached.transfer.worker import INLINE_MAX_BLOCKS
+    if native:
+        monkeypatch.delenv("KVCACHED_NO_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("KVCACHED_NO_NATIVE", "1")  # the workers inherit it
+    mgr = workers_manager(tp_size=2, num_gpu_blocks=16, num_cpu_blocks=16)
+    planes = [attach_kv_cache(mgr.run_dir, r) for r in range(2)]
+    for r in range(2):
+        for b in range(16):
+            fill(planes[r], b, r, salt=b + 1)
+    big = list(range(INLINE_MAX_BLOCKS + 1))
+    for task in (Task("swap_out", [3], [10]), Task("swap_out", big, big)):
+        h = mgr.transfer.submit(task)
+        assert h.wait(10) and h.result.ok, h.result
+    for r in range(2):
+        for b in [*big, 12]:
+            fill(planes[r], b, r, salt=99)
+    for task in (Task("swap_in", [10], [12]), Task("swap_in", big, big)):
+        h = mgr.transfer.submit(task)
+        assert h.wait(10) and h.result.ok, h.result
+        assert h.result.result["bytes"] == 2 * len(task.src) * mgr.cfg.layout.block_bytes
+    for r in range(2):
+        for b, salt in [(12, 4), *((b, b + 1) for b in big)]:
+            for p, plane in enumerate(planes[r]):
+                assert bool((plane[b] == salt * 1000 + r * 100 + p).all()), (r, b, p)
+    status = mgr.transfer.control("status")
+    assert status["ok"]
+    assert [status["ranks"][r]["fast"] for r in range(2)] == ([2, 2] if native else [0, 0])

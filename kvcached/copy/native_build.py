@@ -12,13 +12,18 @@ library (each may compile once; the last rename wins with identical bytes).
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,31 @@ def build_shared_library(name: str, sources: Sequence[str | os.PathLike],
     out_dir.mkdir(parents=True, exist_ok=True)
     _compile(cmd, srcs, flags, target)
     return target
+
+
+def import_extension(module: str, source: str | os.PathLike, stem: str) -> ModuleType:
+    """Build ``source`` (a CPython extension whose ``PyInit_`` matches the last part
+    of ``module``) into ``<cache>/<stem><abi>-<hash>.so`` unless already built, and
+    load it. Raises like ``build_shared_library``, and CompilerNotFound when the
+    Python headers are missing, ImportError when the library does not load."""
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        raise CompilerNotFound(f"Python headers not found ({include}/Python.h); install the "
+                               f"python{sys.version_info[0]}.{sys.version_info[1]}-dev package "
+                               f"to build {stem}")
+    flags = ["-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-fvisibility=hidden", f"-I{include}"]
+    if sys.platform == "darwin":
+        flags += ["-undefined", "dynamic_lookup"]
+    # The ABI tag goes into the file name: another Python gets its own build.
+    tag = (sysconfig.get_config_var("EXT_SUFFIX") or ".so").removesuffix(".so")
+    path = build_shared_library(f"{stem}{tag}", [source], flags=flags)
+    loader = importlib.machinery.ExtensionFileLoader(module, str(path))
+    spec = importlib.util.spec_from_file_location(module, path, loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot load {path} as {module}")
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
 
 
 def _resolve_compiler(compiler_cmd: Sequence[str] | str | None) -> list[str]:

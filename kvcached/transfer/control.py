@@ -46,21 +46,22 @@ def _sleep(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     res = _pause(w, args)
     changed = w.executor.planes is not None
     if changed:
-        w.executor.close(final=False)
+        w.close_executor()
     return {"changed": changed or res["changed"], "asleep": True}
 
 
 def _wakeup(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     changed = w.executor.planes is None
     if changed:
-        w.executor.open(timeout_s=float(args.get("timeout_s", 30.0)))
+        w.open_executor(float(args.get("timeout_s", 30.0)))
     _resume(w, args)
     return {"changed": changed, "asleep": False}
 
 
 def _status(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     return {"paused": w.paused, "asleep": w.executor.planes is None,
-            "queues": w.queue_depths(), "done": w.tasks_done, "failed": w.tasks_failed}
+            "queues": w.queue_depths(), "done": w.tasks_done, "failed": w.tasks_failed,
+            "fast": w.tasks_fast}
 
 
 def _update_weights(w: Worker, args: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,88 @@
+"""A worker's native fast path for small swap tasks (``cuda/swap_wire.c``).
+
+``swap_server(engine, rank, limits, max_blocks)`` returns ``serve(raw) ->
+bytes | None``: for a Task frame of the common shape (a swap or noop of at
+most ``max_blocks`` blocks, the ids in range) it copies the blocks and
+returns the Done frame to send, byte-identical to what the Python path
+(``Worker.execute`` + ``protocol.encode_done``) sends; for any other frame
+it returns None, having touched nothing, and the Python path handles it.
+In a running system this takes a worker's share of a 1-block task from ~35
+to a few microseconds (docs/benchmarks.md).
+
+``swap_server`` returns None, and the worker stays on the Python path, when
+the engine is not the native CPU copy engine (the CUDA engine, the torch
+fallback), when ``KVCACHED_NO_NATIVE`` is set, or when the extension cannot
+be built (one warning, saying why).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+from kvcached.transfer import protocol as P
+
+logger = logging.getLogger(__name__)
+
+NATIVE_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "swap_wire.c"
+NATIVE_MODULE = "kvcached._swap_wire"  # PyInit__swap_wire in swap_wire.c
+
+_UNTRIED = object()
+_native: ModuleType | None | object = _UNTRIED
+_native_error: str | None = None
+_lock = threading.Lock()
+
+
+def load_native() -> ModuleType | None:
+    """The extension, built (once, cached on disk) and loaded at the first call;
+    None when the Python path is used, with one warning saying why."""
+    global _native, _native_error
+    with _lock:
+        if _native is _UNTRIED:
+            from kvcached.copy import native_build
+            from kvcached.copy.cpu import native_disabled
+            if native_disabled():
+                _native_error = "disabled by KVCACHED_NO_NATIVE"
+                _native = None
+            else:
+                try:
+                    _native = native_build.import_extension(NATIVE_MODULE, NATIVE_SOURCE,
+                                                            "kvc_swap_wire")
+                except (OSError, RuntimeError, ImportError) as e:
+                    _native_error = f"{type(e).__name__}: {e}"
+                    logger.warning("native swap fast path unavailable, tasks take the Python "
+                                   "path (same results, slower): %s", _native_error)
+                    _native = None
+        return _native  # type: ignore[return-value]
+
+
+def native_error() -> str | None:
+    """Why the Python path is used (None while the extension is used or untried)."""
+    return _native_error
+
+
+def swap_server(engine, rank: int, limits: P.Limits,
+                max_blocks: int) -> Callable[[bytes], bytes | None] | None:
+    """``serve(raw)`` for ``engine`` (a native ``CpuCopyEngine``), or None (see above).
+
+    The ids a served task may name are bounded by both the protocol limits and
+    the engine's pools; anything else is left to the Python path, which words
+    the error. ``serve`` keeps ``engine`` alive (the C side uses its pointers).
+    """
+    handles = getattr(engine, "native_handles", lambda: None)()
+    mod = load_native() if handles is not None else None
+    if mod is None:
+        return None
+    engine_addr, copy_fn = handles
+    device = min(engine.num_device_blocks, _bound(limits.num_device_blocks))
+    host = min(engine.num_host_blocks, _bound(limits.num_host_blocks))
+    return mod.server(engine, engine_addr, copy_fn, rank, P.PROTOCOL_VERSION,
+                      limits.max_frame_bytes, limits.max_ids, device, host,
+                      engine.bytes_per_block, max_blocks)
+
+
+def _bound(limit: int | None) -> int:
+    return P.INT64_MAX if limit is None else limit
