@@ -55,6 +55,7 @@ class CacheConfig:
     task_timeout_s: float = 30.0
     max_worker_restarts: int = 3
     copy_threads: int = 2
+    hash_memo: bool = True
     storage_backend: str | None = "file"
     storage_url: str = ""
     storage_load_policy: str = "best_effort"

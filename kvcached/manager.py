@@ -26,7 +26,7 @@ from kvcached.config import CacheConfig
 from kvcached.errors import CacheAsleep, NoFreeBlocks
 from kvcached.eviction import EvictionMixin, cpu_evictable, gpu_evictable
 from kvcached.fetch import FetchMixin
-from kvcached.hashing import block_hashes_memo, namespace_hash
+from kvcached.hashing import block_hashes, block_hashes_memo, namespace_hash
 from kvcached.pool import BlockPool
 from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.stats import Counters
@@ -77,6 +77,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         self.cpu_enabled = cfg.num_cpu_blocks > 0
         self.tree = BlockTree()
         self._ns = namespace_hash(cfg.model_id, cfg.weight_version, cfg.salt)
+        self._hashes = block_hashes_memo if cfg.hash_memo else _hashes_without_memo
         self._reqs: dict[Hashable, _Request] = {}
         # task id -> (kind, request, nodes, handle) of fetches and stores in flight
         self._pending: dict[int, tuple] = {}
@@ -222,7 +223,7 @@ class CacheManager(EvictionMixin, FetchMixin):
                 raise ValueError(f"allocate needs >= 1 token and reserve_tokens >= 0, "
                                  f"got {n} tokens, reserve_tokens={reserve_tokens}")
             bs = self.block_size
-            req = _Request(request_id, extra_key, block_hashes_memo(
+            req = _Request(request_id, extra_key, self._hashes(
                 self._ns, token_ids, bs, extra_key, self.tree.memo), n)
             matched, n_gpu, unlisted = self._match_ref(req.hashes, (n - 1) // bs)
             need = -(-(n + reserve_tokens) // bs) - n_gpu
@@ -373,8 +374,8 @@ class CacheManager(EvictionMixin, FetchMixin):
         have = len(req.hashes)
         if have < full:
             parent = req.hashes[-1] if have else self._ns
-            hashes, inputs, keys = block_hashes_memo(parent, token_ids, self.block_size,
-                                                     req.extra, self.tree.memo, have, full)
+            hashes, inputs, keys = self._hashes(parent, token_ids, self.block_size,
+                                                req.extra, self.tree.memo, have, full)
             req.hashes.extend(hashes)
             if inputs is None:  # hashed on the Python path: no memo for this request
                 req.inputs = req.keys = None
@@ -647,6 +648,14 @@ class CacheManager(EvictionMixin, FetchMixin):
         with self._lock:
             self._reap()
             check(self)
+
+
+def _hashes_without_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
+                         extra_key, memo: dict, start: int = 0, stop: int | None = None
+                         ) -> tuple[list[bytes], None, None]:
+    """``block_hashes_memo`` for ``hash_memo = false``: every block is hashed and
+    no input is kept (the memo stays empty)."""
+    return block_hashes(parent, token_ids, block_size, extra_key, start, stop), None, None
 
 
 __all__ = ["CacheManager", "cpu_evictable", "gpu_evictable"]

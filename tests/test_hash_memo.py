@@ -178,3 +178,35 @@ def test_manager_on_the_python_path_still_caches(monkeypatch, make_manager):
         assert mgr.allocate("b", a).hit.gpu_tokens == 4 * BS
         assert mgr.tree.memo == {}
         mgr.check_invariants()
+
+
+@pytest.mark.parametrize("how", ["kwarg", "env"])
+def test_hash_memo_off_keeps_no_inputs_and_caches_the_same(native, make_manager, monkeypatch,
+                                                           how):
+    """``hash_memo = false`` (or KVCACHED_HASH_MEMO=off): no memo, no inputs kept,
+    and the same hits, block ids and hashes as with the memo."""
+    rng = random.Random(3)
+    # Prompts of a few shared prefixes: many blocks are hits, some evicted.
+    prompts = [tokens(rng.randrange(4), rng.randrange(1, 6) * BS + 1) for _ in range(30)]
+    seen = []
+    for memo_on in (False, True):
+        if how == "env":
+            monkeypatch.setenv("KVCACHED_HASH_MEMO", "on" if memo_on else "off")
+            kw = {}
+        else:
+            kw = {"hash_memo": memo_on}
+        with make_manager(num_gpu_blocks=12, block_size=BS, **kw) as mgr:
+            assert mgr.cfg.hash_memo is memo_on
+            out = []
+            for i, p in enumerate(prompts):
+                a = mgr.allocate(i, p)
+                out.append((a.hit.gpu_tokens, list(a.block_ids)))
+                mgr.commit(i, p, len(p))
+                mgr.free(i)
+            out.append(sorted(n.hash for n in mgr.tree.walk()))
+            mgr.check_invariants()
+            assert (len(mgr.tree.memo) > 0) is memo_on
+            assert all((n.input is not None) is memo_on for n in mgr.tree.walk())
+        seen.append(out)
+    assert seen[0] == seen[1]
+    assert any(gpu_hit for gpu_hit, _ in seen[0][:-1])  # the workload does hit
