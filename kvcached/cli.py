@@ -231,10 +231,12 @@ def _workers_table(workers: list[dict]) -> list[str]:
         rows.append([w.get("rank", "?"), w.get("pid", "?"), w.get("state", "?"),
                      f"{w.get('last_seen_s', 0):.1f}s ago",
                      "/".join(str(queues.get(k, 0)) for k in ("out", "in", "ctl")),
-                     w.get("restarts", 0), w.get("done", "-"), w.get("failed", "-"),
-                     w.get("lost_reason", "")])
+                     w.get("restarts", 0), w.get("done", "-"), w.get("fast", "-"),
+                     w.get("failed", "-"), w.get("lost_reason", "")])
+    # fast: of the tasks done, those the native fast path served (transfer.fastpath)
     return ["workers:"] + _table(["rank", "pid", "state", "heartbeat", "queues out/in/ctl",
-                                  "restarts", "done", "failed", "lost reason"], rows) + [""]
+                                  "restarts", "done", "fast", "failed", "lost reason"],
+                                 rows) + [""]
 
 
 def _tiers_table(tiers: dict) -> list[str]:
