@@ -1,24 +1,32 @@
 /*
- * kvcached worker fast path, native: a small swap task off the wire, copied,
- * and its Done packed, in one call with no Python objects in between.
+ * kvcached wire fast paths, native: the two messages of every swap task.
  *
- * A worker's hot loop is recv -> decode Task -> copy -> encode Done -> send.
- * In Python that is ~10 us warm but ~35 us per task in a running system
- * (every worker wakes on cold caches, and TP workers share the cores), which
- * was most of a task's latency above a raw ZeroMQ round trip. This module
- * does the middle three steps for the common frame and leaves everything
- * else to the Python path (kvcached/transfer/worker.py), which stays the
- * reference: it accepts a superset of these frames and words every error.
+ * Worker side: a small swap task off the wire, copied, and its Done packed,
+ * in one call with no Python objects in between. A worker's hot loop is
+ * recv -> decode Task -> copy -> encode Done -> send; in Python that is ~10
+ * us warm but ~35 us per task in a running system (every worker wakes on
+ * cold caches, and TP workers share the cores), most of what a task cost
+ * above a raw ZeroMQ round trip. Coordinator side: the fields of a Done
+ * without msgpack-python's generic unpack and the Python checks after it.
  *
- * The frames taken here are exactly those protocol.quick_wire takes as a
- * Task (same checks, same limits) with at most FAST_MAX_IDS ids per list:
- * a msgpack map of the seven Task keys, each once, in any order;
- * v == PROTOCOL_VERSION; kind "task"; task_kind swap_out, swap_in or noop;
- * task_id an int64; src and dst equal-length arrays of ints in [0, bound);
- * args an empty map; nothing after the map. Any other frame returns None.
- * The Done is byte-identical to protocol.encode_done(task_id, rank, n,
- * elapsed_s, {"bytes": n * bytes_per_block, "finished": monotonic}) as
- * msgpack-python packs it (the tests compare both, byte for byte).
+ * The Python path stays the reference (kvcached/transfer/protocol.py,
+ * worker.py, workers.py): it accepts a superset of these frames and words
+ * every error. A frame is taken here only if protocol.quick_wire takes it,
+ * with the same fields; anything else returns None, having touched nothing,
+ * and the Python path decides. The tests check this on canonical, crafted
+ * and mutated frames.
+ *
+ * Task frames taken: a msgpack map of the seven Task keys, each once, in any
+ * order; v == version; kind "task"; task_kind swap_out, swap_in or noop;
+ * task_id an int64; src and dst equal-length arrays of at most FAST_MAX_IDS
+ * ints in [0, bound); args an empty map; nothing after the map; every size
+ * within the limits (frame, strings, maps, arrays) as msgpack-python checks
+ * them. The Done sent back is byte-identical to protocol.encode_done(task_id,
+ * rank, n, elapsed_s, {"bytes": n * bytes_per_block, "finished": monotonic}).
+ *
+ * Done frames taken: the nine Done keys, each once; ints within int64, a
+ * bool ok, a float elapsed_s, an error string and result keys that are ASCII
+ * and at most max_str / 4 long, result values ints, floats or bools.
  *
  * The copy is the CPU copy engine's kvc_cpu_engine_copy (cuda/cpu_copy.c),
  * reached through the engine struct and function pointer that
@@ -27,14 +35,16 @@
  * the copy: only tasks of up to max_blocks blocks come here (microseconds).
  *
  * Module: kvcached._swap_wire (loaded by kvcached/transfer/fastpath.py).
+ * limits: (version, max_frame_bytes, max_ids, max_str, max_map, device_bound,
+ * host_bound), from protocol.Limits (bounds exclusive).
  *
- *   server(owner, engine, copy_fn, rank, version, max_frame_bytes, max_ids,
- *          device_bound, host_bound, bytes_per_block, max_blocks)
+ *   server(owner, engine, copy_fn, rank, bytes_per_block, max_blocks, limits)
  *       -> serve(raw: bytes) -> bytes | None
- *   parse_task(raw, version, max_frame_bytes, max_ids, device_bound,
- *              host_bound) -> (task_id, kind, src, dst) | None
+ *   done_parser(limits)
+ *       -> parse(raw: bytes) -> (task_id, rank, ok, error, result, elapsed_s) | None
+ *   parse_task(raw, limits) -> (task_id, kind, src, dst) | None   (for tests)
  *   pack_done(version, task_id, rank, blocks_done, elapsed_s, nbytes, finished)
- *       -> bytes
+ *       -> bytes                                                  (for tests)
  *
  * Build: cc -O3 -shared -fPIC -Wall -Werror -I<python include> swap_wire.c
  */
@@ -55,6 +65,10 @@ typedef int (*copy_fn_t)(const void *engine, const int64_t *device_ids, const in
                          int64_t n, int64_t direction, int64_t *err_index);
 
 typedef struct {
+    int64_t version, max_frame_bytes, max_ids, max_str, max_map, device_bound, host_bound;
+} limits_t;
+
+typedef struct {
     int64_t task_id;
     int kind;
     int64_t n;
@@ -62,14 +76,13 @@ typedef struct {
     int64_t dst[FAST_MAX_IDS];
 } task_t;
 
-typedef struct {
-    int64_t version, max_frame_bytes, max_ids, device_bound, host_bound;
-} limits_t;
-
 /* ------------------------------------------------------------ msgpack read */
 
+/* A cursor over one frame; every read checks the bytes left and the sizes
+ * msgpack-python's unpackb is given (max_str_len, max_map_len, ...). */
 typedef struct {
     const uint8_t *p, *end;
+    const limits_t *lim;
 } reader;
 
 static int take(reader *r, size_t n, const uint8_t **out) {
@@ -115,6 +128,31 @@ static int read_int(reader *r, int64_t *out) {
     return 1;
 }
 
+/* A msgpack float (32 or 64 bit): msgpack-python gives a Python float for both. */
+static int read_float(reader *r, double *out) {
+    const uint8_t *t, *b;
+    if (!take(r, 1, &t) || (t[0] != 0xca && t[0] != 0xcb)) return 0;
+    int n = t[0] == 0xca ? 4 : 8;
+    if (!take(r, (size_t)n, &b)) return 0;
+    uint64_t u = be(b, n);
+    if (n == 4) {
+        uint32_t u32 = (uint32_t)u;
+        float f;
+        memcpy(&f, &u32, sizeof f);
+        *out = f;
+    } else {
+        memcpy(out, &u, sizeof *out);
+    }
+    return 1;
+}
+
+static int read_bool(reader *r, int *out) {
+    const uint8_t *t;
+    if (!take(r, 1, &t) || (t[0] != 0xc2 && t[0] != 0xc3)) return 0;
+    *out = t[0] == 0xc3;
+    return 1;
+}
+
 static int read_str(reader *r, const uint8_t **s, size_t *len) {
     const uint8_t *t, *b;
     if (!take(r, 1, &t)) return 0;
@@ -129,7 +167,18 @@ static int read_str(reader *r, const uint8_t **s, size_t *len) {
     } else {
         return 0;
     }
+    if (n > (size_t)r->lim->max_str) return 0;
     return take(r, n, s) && (*len = n, 1);
+}
+
+/* A str of at most max_str / 4 bytes, all ASCII (so as long in characters as
+ * in bytes, which is what the quick check measures, and valid UTF-8). */
+static int read_ascii(reader *r, const uint8_t **s, size_t *len) {
+    if (!read_str(r, s, len) || *len > (size_t)(r->lim->max_str >> 2)) return 0;
+    for (size_t i = 0; i < *len; i++) {
+        if ((*s)[i] & 0x80) return 0;
+    }
+    return 1;
 }
 
 static int str_is(const uint8_t *s, size_t len, const char *lit) {
@@ -153,62 +202,72 @@ static int read_len(reader *r, uint8_t fix, uint8_t fixmask, uint8_t c16, uint8_
     return 1;
 }
 
+static int read_map(reader *r, int64_t *n) {
+    return read_len(r, 0x80, 0xf0, 0xde, 0xdf, n) && *n <= r->lim->max_map;
+}
+
+/* A map key: which of keys[0..n) it is, once each (seen); -1 for anything else. */
+static int read_key(reader *r, const char *const *keys, int n, int *seen) {
+    const uint8_t *s;
+    size_t len;
+    if (!read_str(r, &s, &len)) return -1;
+    for (int k = 0; k < n; k++) {
+        if (str_is(s, len, keys[k])) {
+            if (*seen & (1 << k)) return -1; /* repeated: a dict would keep one */
+            *seen |= 1 << k;
+            return k;
+        }
+    }
+    return -1;
+}
+
 /* An array of ids >= 0; their upper bounds depend on the task kind, which may
  * come later in the map, so parse_task_frame checks those at the end. */
-static int read_ids(reader *r, int64_t max_ids, int64_t *ids, int64_t *n) {
-    if (!read_len(r, 0x90, 0xf0, 0xdc, 0xdd, n) || *n > max_ids || *n > FAST_MAX_IDS) return 0;
+static int read_ids(reader *r, int64_t *ids, int64_t *n) {
+    if (!read_len(r, 0x90, 0xf0, 0xdc, 0xdd, n) || *n > r->lim->max_ids || *n > FAST_MAX_IDS) {
+        return 0;
+    }
     for (int64_t i = 0; i < *n; i++) {
         if (!read_int(r, &ids[i]) || ids[i] < 0) return 0;
     }
     return 1;
 }
 
+/* ------------------------------------------------------------------ Task */
+
 /* 1 when raw is a quick-shape Task (see the header); its fields go to *t. */
-static int parse_task_frame(const uint8_t *buf, Py_ssize_t size, const limits_t *lim,
-                            task_t *t) {
+static int parse_task_frame(PyObject *raw, const limits_t *lim, task_t *t) {
     static const char *const keys[] = {"v", "kind", "task_id", "task_kind", "src", "dst",
                                        "args"};
     enum { K_V, K_KIND, K_ID, K_TASK_KIND, K_SRC, K_DST, K_ARGS, N_KEYS };
-    if (size > lim->max_frame_bytes) return 0;
-    reader r = {buf, buf + size};
+    if (!PyBytes_Check(raw) || PyBytes_GET_SIZE(raw) > lim->max_frame_bytes) return 0;
+    const uint8_t *buf = (const uint8_t *)PyBytes_AS_STRING(raw);
+    reader r = {buf, buf + PyBytes_GET_SIZE(raw), lim};
     int64_t entries, v, n_src = -1, n_dst = -1, n_args;
-    if (!read_len(&r, 0x80, 0xf0, 0xde, 0xdf, &entries) || entries != N_KEYS) return 0;
+    const uint8_t *s;
+    size_t len;
     int seen = 0;
+    if (!read_map(&r, &entries) || entries != N_KEYS) return 0;
     for (int e = 0; e < N_KEYS; e++) {
-        const uint8_t *s, *vs;
-        size_t len, vlen;
-        int k = 0;
-        if (!read_str(&r, &s, &len)) return 0;
-        while (k < N_KEYS && !str_is(s, len, keys[k])) k++;
-        if (k == N_KEYS || (seen & (1 << k))) return 0; /* unknown or repeated key */
-        seen |= 1 << k;
-        switch (k) {
-        case K_V:
-            if (!read_int(&r, &v) || v != lim->version) return 0;
-            break;
-        case K_KIND:
-            if (!read_str(&r, &vs, &vlen) || !str_is(vs, vlen, "task")) return 0;
-            break;
-        case K_ID:
-            if (!read_int(&r, &t->task_id)) return 0;
-            break;
+        int good = 0;
+        switch (read_key(&r, keys, N_KEYS, &seen)) {
+        case K_V: good = read_int(&r, &v) && v == lim->version; break;
+        case K_KIND: good = read_str(&r, &s, &len) && str_is(s, len, "task"); break;
+        case K_ID: good = read_int(&r, &t->task_id); break;
         case K_TASK_KIND:
-            if (!read_str(&r, &vs, &vlen)) return 0;
-            if (str_is(vs, vlen, "swap_out")) t->kind = KIND_SWAP_OUT;
-            else if (str_is(vs, vlen, "swap_in")) t->kind = KIND_SWAP_IN;
-            else if (str_is(vs, vlen, "noop")) t->kind = KIND_NOOP;
-            else return 0;
+            good = read_str(&r, &s, &len);
+            t->kind = !good ? -1
+                      : str_is(s, len, "swap_out") ? KIND_SWAP_OUT
+                      : str_is(s, len, "swap_in")  ? KIND_SWAP_IN
+                      : str_is(s, len, "noop")     ? KIND_NOOP
+                                                   : -1;
+            good = t->kind >= 0;
             break;
-        case K_SRC:
-            if (!read_ids(&r, lim->max_ids, t->src, &n_src)) return 0;
-            break;
-        case K_DST:
-            if (!read_ids(&r, lim->max_ids, t->dst, &n_dst)) return 0;
-            break;
-        case K_ARGS:
-            if (!read_len(&r, 0x80, 0xf0, 0xde, 0xdf, &n_args) || n_args != 0) return 0;
-            break;
+        case K_SRC: good = read_ids(&r, t->src, &n_src); break;
+        case K_DST: good = read_ids(&r, t->dst, &n_dst); break;
+        case K_ARGS: good = read_map(&r, &n_args) && n_args == 0; break;
         }
+        if (!good) return 0;
     }
     if (r.p != r.end || n_src != n_dst) return 0;
     t->n = n_src;
@@ -221,17 +280,12 @@ static int parse_task_frame(const uint8_t *buf, Py_ssize_t size, const limits_t 
     return 1;
 }
 
-/* ------------------------------------------------------------ msgpack write */
+/* ------------------------------------------------------------------ Done */
 
 typedef struct {
     uint8_t buf[DONE_MAX_BYTES];
     size_t n;
 } writer;
-
-static void put(writer *w, const void *src, size_t n) {
-    memcpy(w->buf + w->n, src, n);
-    w->n += n;
-}
 
 static void put_be(writer *w, uint8_t code, uint64_t v, int bytes) {
     w->buf[w->n++] = code;
@@ -241,7 +295,8 @@ static void put_be(writer *w, uint8_t code, uint64_t v, int bytes) {
 static void put_str(writer *w, const char *s) { /* short literals: fixstr */
     size_t n = strlen(s);
     w->buf[w->n++] = (uint8_t)(0xa0 | n);
-    put(w, s, n);
+    memcpy(w->buf + w->n, s, n);
+    w->n += n;
 }
 
 /* The smallest encoding, as msgpack-python's packer picks it. */
@@ -293,14 +348,92 @@ static PyObject *done_bytes(int64_t version, int64_t task_id, int64_t rank, int6
     return PyBytes_FromStringAndSize((const char *)w.buf, (Py_ssize_t)w.n);
 }
 
+/* One value of a Done's result map: an int64, a float or a bool (what the
+ * quick check allows); a new reference, or NULL (not a quick value). */
+static PyObject *read_plain(reader *r) {
+    if (r->p >= r->end) return NULL;
+    uint8_t c = *r->p;
+    if (c == 0xc2 || c == 0xc3) {
+        r->p++;
+        return Py_NewRef(c == 0xc3 ? Py_True : Py_False);
+    }
+    double x;
+    if (c == 0xca || c == 0xcb) return read_float(r, &x) ? PyFloat_FromDouble(x) : NULL;
+    int64_t v;
+    return read_int(r, &v) ? PyLong_FromLongLong(v) : NULL;
+}
+
+/* The result map: short ASCII keys, plain values; a later key wins, as in a dict. */
+static PyObject *read_result(reader *r) {
+    int64_t n;
+    if (!read_map(r, &n)) return NULL;
+    PyObject *out = PyDict_New();
+    for (int64_t i = 0; out != NULL && i < n; i++) {
+        const uint8_t *k;
+        size_t len;
+        PyObject *key = NULL, *value = NULL;
+        if (read_ascii(r, &k, &len)
+            && (key = PyUnicode_DecodeASCII((const char *)k, (Py_ssize_t)len, NULL)) != NULL
+            && (value = read_plain(r)) != NULL && PyDict_SetItem(out, key, value) == 0) {
+            Py_DECREF(key);
+            Py_DECREF(value);
+            continue;
+        }
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+        Py_CLEAR(out);
+    }
+    return out;
+}
+
+/* The fields of a quick-shape Done, or None. A memory error also gives None:
+ * the Python path then meets it with its own error. */
+static PyObject *parse_done_frame(PyObject *raw, const limits_t *lim) {
+    static const char *const keys[] = {"v", "kind", "task_id", "rank", "ok", "error",
+                                       "blocks_done", "elapsed_s", "result"};
+    enum { K_V, K_KIND, K_ID, K_RANK, K_OK, K_ERROR, K_BLOCKS, K_ELAPSED, K_RESULT, N_KEYS };
+    if (!PyBytes_Check(raw) || PyBytes_GET_SIZE(raw) > lim->max_frame_bytes) Py_RETURN_NONE;
+    const uint8_t *buf = (const uint8_t *)PyBytes_AS_STRING(raw);
+    reader r = {buf, buf + PyBytes_GET_SIZE(raw), lim};
+    int64_t entries, v, task_id = 0, rank = 0, blocks;
+    int ok = 0, seen = 0, good = 1;
+    double elapsed = 0;
+    const uint8_t *error = NULL, *s;
+    size_t error_len = 0, len;
+    PyObject *result = NULL, *out = NULL;
+    if (!read_map(&r, &entries) || entries != N_KEYS) Py_RETURN_NONE;
+    for (int e = 0; good && e < N_KEYS; e++) {
+        switch (read_key(&r, keys, N_KEYS, &seen)) {
+        case K_V: good = read_int(&r, &v) && v == lim->version; break;
+        case K_KIND: good = read_str(&r, &s, &len) && str_is(s, len, "done"); break;
+        case K_ID: good = read_int(&r, &task_id); break;
+        case K_RANK: good = read_int(&r, &rank); break;
+        case K_OK: good = read_bool(&r, &ok); break;
+        case K_ERROR: good = read_ascii(&r, &error, &error_len); break;
+        case K_BLOCKS: good = read_int(&r, &blocks); break;
+        case K_ELAPSED: good = read_float(&r, &elapsed); break;
+        case K_RESULT: good = (result = read_result(&r)) != NULL; break;
+        default: good = 0;
+        }
+    }
+    if (good && r.p == r.end) {
+        out = Py_BuildValue("(LLOs#Od)", (long long)task_id, (long long)rank,
+                            ok ? Py_True : Py_False, (const char *)error,
+                            (Py_ssize_t)error_len, result, elapsed);
+    }
+    Py_XDECREF(result);
+    PyErr_Clear();
+    return out != NULL ? out : Py_NewRef(Py_None);
+}
+
+/* ----------------------------------------------------------- Python API */
+
 /* time.monotonic() (and time.perf_counter()) on Linux, rounded as CPython does. */
 static double monotonic(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)((int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec) / 1e9;
 }
-
-/* ------------------------------------------------------------------ server */
 
 typedef struct {
     PyObject *owner; /* keeps the engine's memory alive (a strong reference) */
@@ -310,7 +443,8 @@ typedef struct {
     limits_t lim;
 } server_t;
 
-#define CAPSULE "kvcached._swap_wire.server"
+#define SERVER "kvcached._swap_wire.server"
+#define LIMITS "kvcached._swap_wire.limits"
 
 static int distinct(const int64_t *ids, int64_t n) {
     for (int64_t i = 1; i < n; i++)
@@ -321,15 +455,11 @@ static int distinct(const int64_t *ids, int64_t n) {
 
 /* serve(raw) -> bytes | None: the Done of a served task, or None for the Python path. */
 static PyObject *serve(PyObject *capsule, PyObject *raw) {
-    server_t *s = PyCapsule_GetPointer(capsule, CAPSULE);
+    server_t *s = PyCapsule_GetPointer(capsule, SERVER);
     if (s == NULL) return NULL;
-    if (!PyBytes_Check(raw)) Py_RETURN_NONE;
     task_t t;
     double t0 = monotonic();
-    if (!parse_task_frame((const uint8_t *)PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw),
-                          &s->lim, &t)) {
-        Py_RETURN_NONE;
-    }
+    if (!parse_task_frame(raw, &s->lim, &t)) Py_RETURN_NONE;
     int64_t nbytes = 0;
     if (t.kind != KIND_NOOP) {
         /* The copy engine requires distinct destinations (else: Python's error). */
@@ -346,65 +476,99 @@ static PyObject *serve(PyObject *capsule, PyObject *raw) {
     return done_bytes(s->lim.version, t.task_id, s->rank, t.n, finished - t0, nbytes, finished);
 }
 
+/* parse(raw) -> tuple | None, bound to a limits capsule by done_parser. */
+static PyObject *parse_done(PyObject *capsule, PyObject *raw) {
+    const limits_t *lim = PyCapsule_GetPointer(capsule, LIMITS);
+    return lim == NULL ? NULL : parse_done_frame(raw, lim);
+}
+
 static PyMethodDef serve_def = {
     "serve", (PyCFunction)serve, METH_O,
     "serve(raw: bytes) -> bytes | None: run a quick-shape swap/noop Task frame and return its "
     "Done frame; None leaves the frame to the Python path (nothing was copied)."};
 
-static void free_server(PyObject *capsule) {
-    server_t *s = PyCapsule_GetPointer(capsule, CAPSULE);
-    Py_XDECREF(s->owner);
-    PyMem_Free(s);
-}
+static PyMethodDef parse_done_def = {
+    "parse", (PyCFunction)parse_done, METH_O,
+    "parse(raw: bytes) -> (task_id, rank, ok, error, result, elapsed_s) | None: the fields "
+    "of a quick-shape Done frame; None leaves the frame to the Python path."};
 
-static int as_i64(PyObject *const *args, Py_ssize_t i, int64_t *out) {
-    long long v = PyLong_AsLongLong(args[i]);
+static int as_i64(PyObject *obj, int64_t *out) {
+    long long v = PyLong_AsLongLong(obj);
     if (v == -1 && PyErr_Occurred()) return 0;
     *out = v;
     return 1;
 }
 
-static int read_limits(PyObject *const *args, Py_ssize_t first, limits_t *lim) {
-    return as_i64(args, first, &lim->version) && as_i64(args, first + 1, &lim->max_frame_bytes)
-           && as_i64(args, first + 2, &lim->max_ids)
-           && as_i64(args, first + 3, &lim->device_bound)
-           && as_i64(args, first + 4, &lim->host_bound);
+static int read_limits(PyObject *tuple, limits_t *lim) {
+    int64_t *f[] = {&lim->version, &lim->max_frame_bytes, &lim->max_ids, &lim->max_str,
+                    &lim->max_map, &lim->device_bound, &lim->host_bound};
+    if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 7) {
+        PyErr_SetString(PyExc_TypeError, "limits must be a tuple (version, max_frame_bytes, "
+                                         "max_ids, max_str, max_map, device_bound, host_bound)");
+        return 0;
+    }
+    for (int i = 0; i < 7; i++) {
+        if (!as_i64(PyTuple_GET_ITEM(tuple, i), f[i])) return 0;
+    }
+    return 1;
+}
+
+static void free_server(PyObject *capsule) {
+    server_t *s = PyCapsule_GetPointer(capsule, SERVER);
+    Py_XDECREF(s->owner);
+    PyMem_Free(s);
+}
+
+static void free_limits(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, LIMITS)); }
+
+/* A C function bound to a heap copy of data (size bytes) in a capsule. */
+static PyObject *bind(PyMethodDef *def, const void *data, size_t size, const char *name,
+                      PyCapsule_Destructor destructor) {
+    void *heap = PyMem_Malloc(size);
+    if (heap == NULL) return PyErr_NoMemory();
+    memcpy(heap, data, size);
+    PyObject *capsule = PyCapsule_New(heap, name, destructor);
+    if (capsule == NULL) {
+        PyMem_Free(heap);
+        return NULL;
+    }
+    PyObject *fn = PyCFunction_New(def, capsule); /* the capsule is its self */
+    Py_DECREF(capsule); /* on failure this runs the destructor */
+    return fn;
 }
 
 static PyObject *server(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "server() takes 11 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "server() takes 7 arguments");
         return NULL;
     }
     server_t s;
     int64_t engine, copy;
-    if (!as_i64(args, 1, &engine) || !as_i64(args, 2, &copy) || !as_i64(args, 3, &s.rank)
-        || !read_limits(args, 4, &s.lim) || !as_i64(args, 9, &s.bytes_per_block)
-        || !as_i64(args, 10, &s.max_blocks)) {
+    if (!as_i64(args[1], &engine) || !as_i64(args[2], &copy) || !as_i64(args[3], &s.rank)
+        || !as_i64(args[4], &s.bytes_per_block) || !as_i64(args[5], &s.max_blocks)
+        || !read_limits(args[6], &s.lim)) {
         return NULL;
     }
     if (engine == 0 || copy == 0) {
         PyErr_SetString(PyExc_ValueError, "server() needs a copy engine and its copy function");
         return NULL;
     }
-    s.owner = Py_NewRef(args[0]);
+    s.owner = NULL;
     s.engine = (const void *)(intptr_t)engine;
     s.copy = (copy_fn_t)(intptr_t)copy;
-    server_t *heap = PyMem_Malloc(sizeof s);
-    if (heap == NULL) {
-        Py_DECREF(s.owner);
-        return PyErr_NoMemory();
+    PyObject *fn = bind(&serve_def, &s, sizeof s, SERVER, free_server);
+    if (fn != NULL) { /* only now: free_server releases it with the capsule */
+        server_t *bound = PyCapsule_GetPointer(PyCFunction_GET_SELF(fn), SERVER);
+        bound->owner = Py_NewRef(args[0]);
     }
-    *heap = s;
-    PyObject *capsule = PyCapsule_New(heap, CAPSULE, free_server);
-    if (capsule == NULL) {
-        Py_DECREF(heap->owner);
-        PyMem_Free(heap);
-        return NULL;
-    }
-    PyObject *fn = PyCFunction_New(&serve_def, capsule); /* serve, bound to the capsule */
-    Py_DECREF(capsule);
     return fn;
+}
+
+static PyObject *done_parser(PyObject *self, PyObject *limits) {
+    limits_t lim;
+    return read_limits(limits, &lim) ? bind(&parse_done_def, &lim, sizeof lim, LIMITS,
+                                            free_limits)
+                                     : NULL;
 }
 
 static PyObject *id_list(const int64_t *ids, int64_t n) {
@@ -423,17 +587,13 @@ static PyObject *id_list(const int64_t *ids, int64_t n) {
 static PyObject *parse_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char *const kinds[] = {"swap_out", "swap_in", "noop"};
     limits_t lim;
-    if (nargs != 6 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "parse_task(raw: bytes, version, max_frame_bytes, "
-                                         "max_ids, device_bound, host_bound)");
+    task_t t;
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "parse_task(raw: bytes, limits)");
         return NULL;
     }
-    if (!read_limits(args, 1, &lim)) return NULL;
-    task_t t;
-    if (!parse_task_frame((const uint8_t *)PyBytes_AS_STRING(args[0]),
-                          PyBytes_GET_SIZE(args[0]), &lim, &t)) {
-        Py_RETURN_NONE;
-    }
+    if (!read_limits(args[1], &lim)) return NULL;
+    if (!parse_task_frame(args[0], &lim, &t)) Py_RETURN_NONE;
     PyObject *src = id_list(t.src, t.n), *dst = id_list(t.dst, t.n);
     PyObject *out = src && dst ? Py_BuildValue("(LsOO)", (long long)t.task_id, kinds[t.kind],
                                                src, dst)
@@ -450,8 +610,8 @@ static PyObject *pack_done(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     double elapsed = PyFloat_AsDouble(args[4]), finished = PyFloat_AsDouble(args[6]);
-    if (PyErr_Occurred() || !as_i64(args, 0, &version) || !as_i64(args, 1, &task_id)
-        || !as_i64(args, 2, &rank) || !as_i64(args, 3, &blocks) || !as_i64(args, 5, &nbytes)) {
+    if (PyErr_Occurred() || !as_i64(args[0], &version) || !as_i64(args[1], &task_id)
+        || !as_i64(args[2], &rank) || !as_i64(args[3], &blocks) || !as_i64(args[5], &nbytes)) {
         return NULL;
     }
     return done_bytes(version, task_id, rank, blocks, elapsed, nbytes, finished);
@@ -459,22 +619,24 @@ static PyObject *pack_done(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 static PyMethodDef methods[] = {
     {"server", (PyCFunction)(void (*)(void))server, METH_FASTCALL,
-     "server(owner, engine, copy_fn, rank, version, max_frame_bytes, max_ids, device_bound, "
-     "host_bound, bytes_per_block, max_blocks) -> serve(raw) -> bytes | None\n\n"
-     "engine/copy_fn: addresses of a kvc_cpu_engine and of kvc_cpu_engine_copy; owner (the "
-     "object whose memory they are) is kept alive as long as serve."},
+     "server(owner, engine, copy_fn, rank, bytes_per_block, max_blocks, limits) -> "
+     "serve(raw) -> bytes | None\n\nengine/copy_fn: addresses of a kvc_cpu_engine and of "
+     "kvc_cpu_engine_copy; owner (the object whose memory they are) is kept alive as long "
+     "as serve."},
+    {"done_parser", done_parser, METH_O,
+     "done_parser(limits) -> parse(raw) -> (task_id, rank, ok, error, result, elapsed_s) | "
+     "None"},
     {"parse_task", (PyCFunction)(void (*)(void))parse_task, METH_FASTCALL,
-     "parse_task(raw, version, max_frame_bytes, max_ids, device_bound, host_bound) -> "
-     "(task_id, kind, src, dst) | None: the Task serve() would run (for tests)."},
+     "parse_task(raw, limits) -> (task_id, kind, src, dst) | None: the Task serve() would "
+     "run (for tests)."},
     {"pack_done", (PyCFunction)(void (*)(void))pack_done, METH_FASTCALL,
      "pack_done(version, task_id, rank, blocks_done, elapsed_s, nbytes, finished) -> bytes: "
-     "the Done "
-     "serve() sends (for tests)."},
+     "the Done serve() sends (for tests)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_swap_wire", "Native fast path of a worker's small swap tasks.",
+    PyModuleDef_HEAD_INIT, "_swap_wire", "Native fast paths of the task/done wire.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -44,10 +44,7 @@ def wire():
 
 
 def parse(wire, raw: bytes, limits: P.Limits = LIMITS):
-    dev = P.INT64_MAX if limits.num_device_blocks is None else limits.num_device_blocks
-    host = P.INT64_MAX if limits.num_host_blocks is None else limits.num_host_blocks
-    return wire.parse_task(raw, P.PROTOCOL_VERSION, limits.max_frame_bytes, limits.max_ids,
-                           dev, host)
+    return wire.parse_task(raw, fastpath.wire_limits(limits))
 
 
 def quick(raw: bytes, limits: P.Limits = LIMITS):
@@ -293,9 +290,106 @@ def test_a_failed_build_warns_once_and_serves_from_python(wire, monkeypatch, cap
 
 def test_server_arguments_are_checked(wire):
     engine = make_engine()
+    limits = fastpath.wire_limits(LIMITS)
     with pytest.raises(ValueError, match="copy engine"):
-        wire.server(engine, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1)
-    with pytest.raises(TypeError, match="11 arguments"):
+        wire.server(engine, 0, 0, 0, 1, 1, limits)
+    with pytest.raises(TypeError, match="7 arguments"):
         wire.server(engine)
+    with pytest.raises(TypeError, match="limits must be a tuple"):
+        wire.server(engine, 1, 1, 0, 1, 1, limits[:6])
+    with pytest.raises(OverflowError):
+        wire.done_parser((1 << 64, *limits[1:]))
     with pytest.raises(TypeError):
-        wire.parse_task("not bytes", 1, 1, 1, 1, 1)
+        wire.parse_task("not bytes", limits)
+
+
+def test_task_frames_beyond_string_or_map_limits_are_declined(wire):
+    raw = P.encode_task(1, "swap_out", [1], [2], {}, LIMITS)
+    for small in (P.Limits(max_str=4), P.Limits(max_map=6)):  # "task_kind" / 7 keys
+        assert quick(raw, small) is None and parse(wire, raw, small) is None
+    assert parse(wire, raw, P.Limits(max_str=9, max_map=7)) == quick(raw) is not None
+
+
+# ------------------------------------------------------------ Done, read
+results = st.dictionaries(st.text(st.characters(max_codepoint=127), max_size=8),
+                          st.one_of(INT64, st.floats(allow_nan=False), st.booleans()),
+                          max_size=6)
+
+
+def native_done(wire, raw: bytes, limits: P.Limits = LIMITS):
+    return wire.done_parser(fastpath.wire_limits(limits))(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(task_id=INT64, rank=INT64, ok=st.booleans(),
+       error=st.text(st.characters(max_codepoint=127), max_size=40), blocks=INT64,
+       elapsed=st.floats(allow_nan=False), result=results)
+def test_every_ascii_done_frame_is_read_as_done_fields_reads_it(wire, task_id, rank, ok, error,
+                                                                blocks, elapsed, result):
+    raw = P.Done(task_id, rank, ok, error, blocks, elapsed, result).encode(LIMITS)
+    want = P.done_fields(raw, LIMITS)
+    assert want == (task_id, rank, ok, error, result, elapsed)
+    assert native_done(wire, raw) == want
+    assert fastpath.done_parser(LIMITS)(raw) == want
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_done_reader_takes_nothing_done_fields_does_not(wire, data):
+    base = st.builds(lambda *a: P.Done(*a).encode(LIMITS), INT64, INT64, st.booleans(),
+                     st.text(st.characters(max_codepoint=127), max_size=12), INT64,
+                     st.floats(allow_nan=False), results)
+    _, mutate = _frames()
+    raw = mutate(data.draw(base), data)
+    want = P.done_fields(raw, LIMITS)
+    got = native_done(wire, raw)
+    assert got is None or got == want  # native: a subset, with the same fields
+    assert fastpath.done_parser(LIMITS)(raw) == want  # and the parser falls back
+
+
+def _done_entries(**override) -> list[tuple[bytes, bytes]]:
+    fields = {"v": _p(P.PROTOCOL_VERSION), "kind": _p("done"), "task_id": _p(9),
+              "rank": _p(1), "ok": _p(True), "error": _p(""), "blocks_done": _p(1),
+              "elapsed_s": _p(0.5), "result": _p({"bytes": 64})}
+    fields.update(override)
+    return [(_p(k), v) for k, v in fields.items()]
+
+
+DONE_CRAFTED = {
+    # (frame, native reads it, done_fields takes it)
+    "canonical": (_pack_raw(_done_entries()), True, True),
+    "float32 elapsed": (_pack_raw(_done_entries(elapsed_s=b"\xca" + struct.pack(">f", 0.5))),
+                        True, True),
+    "keys reordered": (_pack_raw(_done_entries()[::-1]), True, True),
+    "repeated result key": (_pack_raw(_done_entries(result=b"\x82\xa1a\x01\xa1a\x02")),
+                            True, True),
+    "non-ASCII error": (_pack_raw(_done_entries(error=_p("dé"))), False, True),
+    "non-ASCII result key": (_pack_raw(_done_entries(result=_p({"é": 1}))), False, True),
+    "int elapsed": (_pack_raw(_done_entries(elapsed_s=_p(1))), False, False),
+    "int ok": (_pack_raw(_done_entries(ok=_p(1))), False, False),
+    "nested result": (_pack_raw(_done_entries(result=_p({"a": [1]}))), False, False),
+    "str result value": (_pack_raw(_done_entries(result=_p({"a": "x"}))), False, False),
+    "error too long": (_pack_raw(_done_entries(error=_p("x" * (LIMITS.max_str // 4 + 1)))),
+                       False, False),
+    "result key above int64": (_pack_raw(_done_entries(result=b"\x81\xa1a\xcf" + b"\xff" * 8)),
+                               False, False),
+    "repeated key": (_pack_raw(_done_entries()[:8] + [_done_entries()[0]]), False, False),
+    "kind task": (_pack_raw(_done_entries(kind=_p("task"))), False, False),
+    "trailing byte": (_pack_raw(_done_entries()) + b"\x00", False, False),
+}
+
+
+@pytest.mark.parametrize("name", list(DONE_CRAFTED))
+def test_crafted_done_frames(wire, name):
+    raw, native_reads, python_takes = DONE_CRAFTED[name]
+    want = P.done_fields(raw, LIMITS)
+    assert (want is not None) is python_takes
+    assert native_done(wire, raw) == (want if native_reads else None)
+    assert fastpath.done_parser(LIMITS)(raw) == want
+
+
+def test_done_frames_beyond_map_or_string_limits_are_declined(wire):
+    raw = _pack_raw(_done_entries(result=_p({"a": 1, "b": 2, "c": 3})))
+    for small in (P.Limits(max_map=8), P.Limits(max_map=9, max_str=10)):
+        assert P.done_fields(raw, small) is None and native_done(wire, raw, small) is None
+    assert native_done(wire, raw, P.Limits(max_map=9, max_str=44)) == P.done_fields(raw, LIMITS)

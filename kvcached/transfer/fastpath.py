@@ -1,4 +1,6 @@
-"""A worker's native fast path for small swap tasks (``cuda/swap_wire.c``).
+"""Native fast paths of the swap task wire (``cuda/swap_wire.c``).
+
+Worker side:
 
 ``swap_server(engine, rank, limits, max_blocks)`` returns ``serve(raw) ->
 bytes | None``: for a Task frame of the common shape (a swap or noop of at
@@ -13,10 +15,15 @@ to a few microseconds (docs/benchmarks.md).
 the engine is not the native CPU copy engine (the CUDA engine, the torch
 fallback), when ``KVCACHED_NO_NATIVE`` is set, or when the extension cannot
 be built (one warning, saying why).
+
+Coordinator side: ``done_parser(limits)`` returns ``parse(raw)``, which gives
+a Done frame's fields exactly as ``protocol.done_fields`` does, reading the
+common frame natively and handing any other to ``done_fields``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -79,9 +86,32 @@ def swap_server(engine, rank: int, limits: P.Limits,
     engine_addr, copy_fn = handles
     device = min(engine.num_device_blocks, _bound(limits.num_device_blocks))
     host = min(engine.num_host_blocks, _bound(limits.num_host_blocks))
-    return mod.server(engine, engine_addr, copy_fn, rank, P.PROTOCOL_VERSION,
-                      limits.max_frame_bytes, limits.max_ids, device, host,
-                      engine.bytes_per_block, max_blocks)
+    return mod.server(engine, engine_addr, copy_fn, rank, engine.bytes_per_block, max_blocks,
+                      wire_limits(limits, device, host))
+
+
+def done_parser(limits: P.Limits) -> Callable[[bytes], tuple | None]:
+    """``parse(raw)``: the coordinator's reading of a Done frame, as
+    ``protocol.done_fields(raw, limits)`` gives it, natively where it can."""
+    mod = load_native()
+    python = functools.partial(P.done_fields, limits=limits)
+    if mod is None:
+        return python
+    native = mod.done_parser(wire_limits(limits))
+
+    def parse(raw: bytes) -> tuple | None:
+        fields = native(raw)
+        return fields if fields is not None else python(raw)
+
+    return parse
+
+
+def wire_limits(limits: P.Limits, device: int | None = None,
+                host: int | None = None) -> tuple[int, ...]:
+    """``limits`` as the C side takes them (exclusive id bounds, int64)."""
+    return (P.PROTOCOL_VERSION, limits.max_frame_bytes, limits.max_ids, limits.max_str,
+            limits.max_map, _bound(limits.num_device_blocks if device is None else device),
+            _bound(limits.num_host_blocks if host is None else host))
 
 
 def _bound(limit: int | None) -> int:

@@ -658,6 +658,16 @@ def quick_wire(raw: bytes, cls: type[Message], limits: Limits) -> dict[str, Any]
     return None
 
 
+def done_fields(raw: bytes, limits: Limits) -> tuple | None:
+    """``(task_id, rank, ok, error, result, elapsed_s)`` of a Done frame that
+    :func:`quick_wire` takes; None otherwise (then :func:`decode` decides). The
+    coordinator's hot path (``fastpath.done_parser`` reads the same natively)."""
+    w = quick_wire(raw, Done, limits)
+    if w is None:
+        return None
+    return w["task_id"], w["rank"], w["ok"], w["error"], w["result"], w["elapsed_s"]
+
+
 def encode_task(task_id: int, kind: str, src: list[int], dst: list[int],
                 args: dict[str, Any], limits: Limits | None = None) -> bytes:
     """``Task(task_id, kind, src, dst, args).encode(limits)``, the same bytes, without
@@ -720,5 +730,5 @@ __all__ = [
     "CONTROL_OPS", "DEFAULT_LIMITS", "MAX_NESTING", "MESSAGE_KINDS", "PROTOCOL_VERSION",
     "TASK_KINDS", "CtlReply", "CtlRequest", "Done", "ErrorReply", "Heartbeat", "Hello",
     "Limits", "Message", "ProtocolError", "Ready", "Shutdown", "Task", "clip", "decode",
-    "encode", "encode_done", "encode_task", "quick_wire",
+    "done_fields", "encode", "encode_done", "encode_task", "quick_wire",
 ]

@@ -47,6 +47,7 @@ from kvcached.transfer.endpoints import (
     coordinator_endpoint,
     socket_files,
 )
+from kvcached.transfer.fastpath import done_parser
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class WorkerTransfer(Transfer):
         self.workers = [_WorkerState(r) for r in range(cfg.tp_size)]
         self.limits = P.Limits(num_device_blocks=cfg.num_gpu_blocks,
                                num_host_blocks=max(cfg.num_cpu_blocks, 1))
+        self._done_fields = done_parser(self.limits)  # a Done's fields, natively if it can
         self._ctx = zmq.Context.instance()
         self._idents = [f"rank-{w.rank}".encode() for w in self.workers]
         self._rank_by_ident = {ident: rank for rank, ident in enumerate(self._idents)}
@@ -394,11 +396,10 @@ class WorkerTransfer(Transfer):
             self._reply_error(ident, "expected [identity rank-<r>, one msgpack frame]")
             return
         w = self.workers[rank]
-        done = P.quick_wire(frames[1], P.Done, self.limits)
+        done = self._done_fields(frames[1])
         if done is not None:  # the common case: no message object
             w.last_seen = time.monotonic()
-            self._on_done(rank, done["task_id"], done["rank"], done["ok"], done["error"],
-                          done["result"], done["elapsed_s"])
+            self._on_done(rank, *done)
             return
         try:
             msg = P.decode(frames[1], self.limits)
