@@ -5,9 +5,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 from kvcached import CacheConfig
 from kvcached.manager import CacheManager
+
+# CI runs the same examples every time (a red CI must be reproducible); a
+# developer's runs explore new ones, and keep any failure in .hypothesis/.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 TINY = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_gpu_blocks=8,
             num_cpu_blocks=0, transfer_mode="inprocess", create_cache=True, dtype="float32",
