@@ -52,6 +52,7 @@ CHAT = dict(num_system_prompts=4, system_tokens=4864, turn_tokens=(256, 1024),
             output_tokens=(128, 512), max_turns=24, concurrent_conversations=32)
 TARGET_RATIO = 1.5
 FASTDEPLOY_US_PER_BLOCK = (5.0, 15.0)  # measured on this machine, for the report
+SPEED_TARGET_TIMES = 10.0  # an order of magnitude cheaper per block
 
 
 def make_manager(run_dir, **overrides) -> CacheManager:
@@ -231,8 +232,19 @@ def main() -> None:
         eviction = bench_eviction(tmp, sizes, 10_000, rounds, args.chain, args.chunk)
     emit({"bench": "manager", "quick": args.quick, "block_size": BLOCK_SIZE,
           "chat": chat, "chat_gpu_resident": resident, "eviction": eviction,
-          "fastdeploy_us_per_block": list(FASTDEPLOY_US_PER_BLOCK),
+          **speed_vs_fastdeploy({"chat": chat, "chat_gpu_resident": resident}),
           "total_s": time.perf_counter() - t0})
+
+
+def speed_vs_fastdeploy(runs: dict[str, dict]) -> dict:
+    """How many times cheaper per block than FastDeploy's 5-15 us, per scenario;
+    the target (an order of magnitude) is met only if it holds against 5 us too."""
+    lo, hi = FASTDEPLOY_US_PER_BLOCK
+    times = {name: [round(lo / r["us_per_block"], 2), round(hi / r["us_per_block"], 2)]
+             for name, r in runs.items()}
+    return {"fastdeploy_us_per_block": [lo, hi], "times_cheaper_than_fastdeploy": times,
+            "speed_target_times": SPEED_TARGET_TIMES,
+            "meets_speed_target": all(t[0] >= SPEED_TARGET_TIMES for t in times.values())}
 
 
 if __name__ == "__main__":
