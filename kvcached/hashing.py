@@ -17,8 +17,6 @@ is no compiler or Python headers (one warning) or ``KVCACHED_NO_NATIVE=1``
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -27,8 +25,6 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 DIGEST = 16
 NATIVE_SOURCE = Path(__file__).resolve().parents[1] / "cuda" / "block_hash.c"
@@ -170,40 +166,20 @@ _native_error: str | None = None  # why the Python path is used
 _native_lock = threading.Lock()
 
 
-def native_disabled() -> bool:
-    """True when ``KVCACHED_NO_NATIVE`` asks for the Python path (as for the CPU copy engine)."""
-    return os.environ.get("KVCACHED_NO_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def load_native() -> ModuleType | None:
     """The native extension, built (once, cached on disk) and loaded at the first
     call; None when the Python path is used, with one warning saying why."""
     global _native, _native_error
     with _native_lock:
         if _native is _UNTRIED:
-            if native_disabled():
-                _native_error = "disabled by KVCACHED_NO_NATIVE"
-                logger.info("native block hashing disabled by KVCACHED_NO_NATIVE; "
-                            "using the Python path")
-                _native = None
-            else:
-                try:
-                    _native = _build_and_import()
-                except (OSError, RuntimeError, ImportError) as e:
-                    _native_error = f"{type(e).__name__}: {e}"
-                    logger.warning("native block hashing unavailable, using the slower Python "
-                                   "path (same hashes): %s", _native_error)
-                    _native = None
+            _native, _native_error = _native_build().try_import_extension(
+                NATIVE_MODULE, NATIVE_SOURCE, "kvc_block_hash", "native block hashing")
         return _native  # type: ignore[return-value]
 
 
 def native_error() -> str | None:
     """Why the Python path is used (None while native hashing is used or untried)."""
     return _native_error
-
-
-def _build_and_import() -> ModuleType:
-    return _native_build().import_extension(NATIVE_MODULE, NATIVE_SOURCE, "kvc_block_hash")
 
 
 def _native_build() -> ModuleType:

@@ -280,12 +280,12 @@ def test_a_failed_build_warns_once_and_serves_from_python(wire, monkeypatch, cap
     monkeypatch.setattr(fastpath, "_native", fastpath._UNTRIED)
     monkeypatch.setattr(native_build, "import_extension", fail)
     monkeypatch.delenv("KVCACHED_NO_NATIVE", raising=False)
-    with caplog.at_level(logging.WARNING, logger="kvcached.transfer.fastpath"):
+    with caplog.at_level(logging.WARNING):
         assert fastpath.swap_server(make_engine(), 0, LIMITS, 8) is None
         assert fastpath.swap_server(make_engine(), 0, LIMITS, 8) is None
     assert [r.message for r in caplog.records if "unavailable" in r.message] == [
-        "native swap fast path unavailable, tasks take the Python path (same results, "
-        "slower): BuildError: cc: error: boom"]
+        "native swap fast path unavailable, using the slower Python path (same results): "
+        "BuildError: cc: error: boom"]
 
 
 def test_server_arguments_are_checked(wire):

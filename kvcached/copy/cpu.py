@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from itertools import pairwise
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcached.copy.native_build import build_shared_library
+from kvcached.copy.native_build import build_shared_library, native_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +67,6 @@ def _new_id_buffers() -> tuple:
     """One thread's (device ids, host ids, error index, pointer to the error index)."""
     err = ctypes.c_int64(-1)
     return _IdBuffer(), _IdBuffer(), err, ctypes.byref(err)
-
-
-def native_disabled() -> bool:
-    """True when ``KVCACHED_NO_NATIVE`` asks for the torch fallback."""
-    return os.environ.get("KVCACHED_NO_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def load_native() -> ctypes.CDLL:

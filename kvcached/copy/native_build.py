@@ -108,6 +108,27 @@ def import_extension(module: str, source: str | os.PathLike, stem: str) -> Modul
     return mod
 
 
+def native_disabled() -> bool:
+    """True when ``KVCACHED_NO_NATIVE`` asks every native piece for its fallback."""
+    return os.environ.get("KVCACHED_NO_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def try_import_extension(module: str, source: str | os.PathLike, stem: str,
+                         what: str) -> tuple[ModuleType | None, str | None]:
+    """``(import_extension(...), None)``, or ``(None, why)`` when ``KVCACHED_NO_NATIVE``
+    is set or the build or load fails; a failure is logged once, as a warning
+    that names ``what`` falls back to its Python path."""
+    if native_disabled():
+        return None, "disabled by KVCACHED_NO_NATIVE"
+    try:
+        return import_extension(module, source, stem), None
+    except (OSError, RuntimeError, ImportError) as e:
+        why = f"{type(e).__name__}: {e}"
+        logger.warning("%s unavailable, using the slower Python path (same results): %s",
+                       what, why)
+        return None, why
+
+
 def _resolve_compiler(compiler_cmd: Sequence[str] | str | None) -> list[str]:
     if compiler_cmd is None:
         found = find_compiler()

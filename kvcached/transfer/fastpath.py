@@ -24,15 +24,12 @@ common frame natively and handing any other to ``done_fields``.
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 from kvcached.transfer import protocol as P
-
-logger = logging.getLogger(__name__)
 
 NATIVE_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "swap_wire.c"
 NATIVE_MODULE = "kvcached._swap_wire"  # PyInit__swap_wire in swap_wire.c
@@ -50,19 +47,8 @@ def load_native() -> ModuleType | None:
     with _lock:
         if _native is _UNTRIED:
             from kvcached.copy import native_build
-            from kvcached.copy.cpu import native_disabled
-            if native_disabled():
-                _native_error = "disabled by KVCACHED_NO_NATIVE"
-                _native = None
-            else:
-                try:
-                    _native = native_build.import_extension(NATIVE_MODULE, NATIVE_SOURCE,
-                                                            "kvc_swap_wire")
-                except (OSError, RuntimeError, ImportError) as e:
-                    _native_error = f"{type(e).__name__}: {e}"
-                    logger.warning("native swap fast path unavailable, tasks take the Python "
-                                   "path (same results, slower): %s", _native_error)
-                    _native = None
+            _native, _native_error = native_build.try_import_extension(
+                NATIVE_MODULE, NATIVE_SOURCE, "kvc_swap_wire", "native swap fast path")
         return _native  # type: ignore[return-value]
 
 
