@@ -8,8 +8,8 @@ most ``max_blocks`` blocks, the ids in range) it copies the blocks and
 returns the Done frame to send, byte-identical to what the Python path
 (``Worker.execute`` + ``protocol.encode_done``) sends; for any other frame
 it returns None, having touched nothing, and the Python path handles it.
-In a running system this takes a worker's share of a 1-block task from ~35
-to a few microseconds (docs/benchmarks.md).
+At TP=4 this took a worker's user CPU per 1-block task from 73-91 to 29-31
+us, 0.39 us of it this call (warm); docs/benchmarks.md has the numbers.
 
 ``swap_server`` returns None, and the worker stays on the Python path, when
 the engine is not the native CPU copy engine (the CUDA engine, the torch
