@@ -144,9 +144,9 @@ def test_bad_frame_table_is_what_it_says():
 class FakeCoordinator:
     """The engine side of one worker: shared memory, the ROUTER, the handshake."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, **overrides):
         self.run_dir = run_dir
-        self.cfg = tiny_config(**WORKER_CFG, run_dir=str(run_dir))
+        self.cfg = tiny_config(**{**WORKER_CFG, **overrides}, run_dir=str(run_dir))
         (run_dir / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict()))
         layout = self.cfg.layout
         self.planes = allocate_kv_cache(layout, NUM_GPU, 0, run_dir)
@@ -186,7 +186,7 @@ class FakeCoordinator:
 
     def close(self) -> None:
         try:
-            if self.proc is not None and self.proc.poll() is None:
+            if self.proc is not None and self.proc.poll() is None and not self.router.closed:
                 self.send(P.Shutdown("test done").encode())
                 try:
                     self.proc.wait(timeout=10)
@@ -266,6 +266,26 @@ def test_worker_without_engine_exits_by_itself(short_dir):
     assert time.monotonic() - t0 < 30
     log = (short_dir / "logs" / "worker-rank0.log").read_text()
     assert f"engine pid {gone.pid} is gone" in log
+
+
+def test_worker_whose_coordinator_vanishes_exits_within_engine_timeout(short_dir):
+    """The engine process lives on but its socket is gone (a hung or half-dead
+    engine). A DEALER with IMMEDIATE blocks forever sending to no peer, so the
+    worker's next heartbeat or Done must not wait on it: it exits once nothing
+    could be delivered for engine_timeout_s."""
+    c = FakeCoordinator(short_dir, engine_timeout_s=1.0, heartbeat_interval_s=0.05)
+    try:
+        c.start_worker()
+        assert isinstance(c.request(P.Task(1, "noop").encode()), P.Done)
+        c.send(P.Task(2, "swap_out", [0], [0]).encode())
+        c.router.close()  # the Done of task 2 and every heartbeat now have no peer
+        t0 = time.monotonic()
+        assert c.proc.wait(timeout=20) == 0
+        assert time.monotonic() - t0 < 1.0 + 3.0  # engine_timeout_s, and a margin
+    finally:
+        c.close()
+    log = (short_dir / "logs" / "worker-rank0.log").read_text()
+    assert "the engine" in log.splitlines()[-1], log.splitlines()[-1]
 
 
 # ------------------------------------------------------------- coordinator

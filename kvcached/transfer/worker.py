@@ -45,6 +45,12 @@ INLINE_MAX_BLOCKS = 8  # swaps up to this size run on the socket thread (microse
 # Engine liveness, hello retries and heartbeats run at most this often, not once
 # per message: a busy worker handles frames back to back.
 CHORES_S = 0.01
+LANE_JOIN_S = 5.0  # at exit, lanes finishing a copy get this long in all (they are daemons)
+SEND_POLL_MS = 10  # a send with no room waits in slices this long, checking on the engine
+
+
+class EngineGone(Exception):
+    """A frame could not be sent and the engine is gone: the worker exits."""
 
 
 class Lane(threading.Thread):
@@ -127,8 +133,9 @@ class Worker:
         finally:
             for lane in self.lanes.values():
                 lane.tasks.put(None)
+            deadline = time.monotonic() + LANE_JOIN_S  # one deadline for all lanes
             for lane in self.lanes.values():
-                lane.join(timeout=5.0)
+                lane.join(timeout=max(0.0, deadline - time.monotonic()))
             sock.close()
             pull.close()
             self.executor.close()
@@ -143,12 +150,12 @@ class Worker:
         next_chores = 0.0
         errors = 0
         while True:
-            now = time.monotonic()
-            if now >= next_chores:
-                if self._chores(sock, now):
-                    return 0
-                next_chores = now + CHORES_S
             try:
+                now = time.monotonic()
+                if now >= next_chores:
+                    if self._chores(sock, now):
+                        return 0
+                    next_chores = now + CHORES_S
                 if self._owed:
                     code = self._serve_both(poller, sock, pull, timeout_ms)
                 else:
@@ -161,6 +168,9 @@ class Worker:
                 errors = 0
             except zmq.Again:  # RCVTIMEO: nothing arrived
                 pass
+            except EngineGone as e:
+                self.stop_reason = str(e)
+                return 0
             except zmq.ZMQError as e:  # back off: never spin on a broken socket
                 errors += 1
                 logger.error("worker rank %d socket error %s (retry %d)", self.rank, e, errors)
@@ -175,12 +185,38 @@ class Worker:
                 lane, done = pull.recv_multipart()
                 self.lanes[lane.decode()].outstanding -= 1
                 self._owed -= 1
-                sock.send(done)
+                self._send(sock, done)
             else:
                 code = self._on_coordinator_frame(sock, sock.recv())
                 if code is not None:
                     return code
         return None
+
+    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+        """Send one frame to the coordinator, never blocking on a dead engine.
+
+        With IMMEDIATE a DEALER whose peer went away blocks forever in send, and
+        then no liveness check would run again. A frame that cannot go out at
+        once (no peer, or the engine's queue is full) waits in short polls; the
+        worker gives up (EngineGone) when the engine pid is gone or nothing
+        could be delivered for engine_timeout_s."""
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass
+        since = time.monotonic()
+        while True:
+            if sock.poll(SEND_POLL_MS, zmq.POLLOUT):
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+            if not self._engine_alive():
+                raise EngineGone(f"engine pid {self.engine_pid} is gone")
+            if time.monotonic() - since > self.cfg.engine_timeout_s:
+                raise EngineGone(f"could not send to the engine for {self.cfg.engine_timeout_s}s")
 
     def _chores(self, sock: zmq.Socket, now: float) -> bool:
         """Engine liveness, hello retries and heartbeats; True when the worker must exit."""
@@ -197,7 +233,7 @@ class Worker:
                 pass
             self._last_hello = now
         if self._ready and now - self._last_hb > self.cfg.heartbeat_interval_s:
-            sock.send(self._heartbeat().encode())
+            self._send(sock, self._heartbeat().encode())
             self._last_hb = now
         return False
 
@@ -225,7 +261,7 @@ class Worker:
             if done is not None:
                 self.tasks_done += 1
                 self.tasks_fast += 1
-                sock.send(done)
+                self._send(sock, done)
                 return ""
         wire = P.quick_wire(raw, P.Task, self.limits)
         if wire is not None:  # a swap or noop: no message object on the hot path
@@ -237,9 +273,10 @@ class Worker:
         except P.ProtocolError as e:
             logger.warning("worker rank %d: bad frame: %s", self.rank, e)
             if e.task_id is not None:  # answer the task so nobody waits for it
-                sock.send(P.Done(e.task_id, self.rank, ok=False, error=P.clip(str(e))).encode())
+                self._send(sock, P.Done(e.task_id, self.rank, ok=False,
+                                        error=P.clip(str(e))).encode())
             else:
-                sock.send(P.ErrorReply.from_exception(e).encode())
+                self._send(sock, P.ErrorReply.from_exception(e).encode())
             return ""
         if type(msg) is P.Task:
             self._run_task(sock, msg.task_id, msg.kind, msg.src, msg.dst, msg.args)
@@ -263,7 +300,7 @@ class Worker:
         """Run a task here (small ones, see ``_inline_ok``) or queue it on its lane."""
         lane = self.lanes[LANE_OF[kind]]
         if self._inline_ok(kind, len(src), lane):
-            sock.send(self.execute(task_id, kind, src, dst, args))  # no thread hand-offs
+            self._send(sock, self.execute(task_id, kind, src, dst, args))  # no hand-offs
         else:
             lane.outstanding += 1
             self._owed += 1
