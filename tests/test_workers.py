@@ -125,6 +125,38 @@ def test_sigkill_worker_mid_task_fails_fast_and_serving_continues(workers_manage
     mgr.check_invariants()
 
 
+def test_a_hung_worker_never_blocks_the_engine(workers_manager):
+    """A stopped (hung, not dead) worker reads nothing. Submitting more tasks than
+    ZeroMQ's default queues hold (~1000 each side; submit blocked at the 1000th
+    before) must return at once; the tasks fail with WorkerLost once the worker
+    is declared lost, and the restarted rank serves again."""
+    from kvcached.transfer.base import Task
+    mgr = workers_manager(tp_size=1, num_cpu_blocks=4)
+    t = mgr.transfer
+    victim = mgr.stats().workers[0]["pid"]
+    handles: list = []
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        th = threading.Thread(target=lambda: handles.extend(
+            t.submit(Task("noop", [], [])) for _ in range(5000)))
+        th.start()
+        th.join(30)
+        assert not th.is_alive(), f"submit blocked after {len(handles)} tasks"
+        assert len(handles) == 5000
+        for h in (handles[0], handles[-1]):
+            assert h.wait(FAST["worker_timeout_s"] + 5), "a task waits past the deadline"
+        assert all(h.done() and not h.result.ok for h in handles)
+        assert handles[0].result.lost
+    finally:
+        if pid_alive(victim):
+            os.kill(victim, signal.SIGCONT)
+    assert "silent" in mgr.stats().workers[0]["lost_reason"]
+    assert t.wait_ready(30)
+    ok = t.submit(Task("noop", [], []))
+    assert ok.wait(10) and ok.result.ok
+    assert mgr.stats().workers[0]["pid"] != victim
+
+
 def test_worker_that_cannot_restart_leaves_gpu_only_serving(workers_manager):
     mgr = workers_manager(tp_size=1, num_gpu_blocks=4, num_cpu_blocks=4,
                           max_worker_restarts=0)

@@ -134,6 +134,11 @@ class WorkerTransfer(Transfer):
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a drop
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its name back
+        # No send high-water mark: with one, a hung (e.g. stopped) worker's full
+        # queue would block the sending thread, the engine's scheduler included,
+        # forever. Unbounded, the queue grows only until that worker is declared
+        # lost (worker_timeout_s) and killed, which drops its queue.
+        self._router.setsockopt(zmq.SNDHWM, 0)
         self._router.bind(endpoint)
         self._router_fd = self._router.getsockopt(zmq.FD)  # readable: look at EVENTS
         self._thread = threading.Thread(target=self._io_loop, name="kvcached-coordinator",
