@@ -48,6 +48,7 @@ from kvcached.transfer.endpoints import (
     socket_files,
 )
 from kvcached.transfer.fastpath import done_parser
+from kvcached.transfer.peers import PeerTracker
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ CHORES_S = 0.005
 # (edge-triggered) fd can cost, and how soon a waiter notices a leader leaving.
 LEAD_NAP_S = 0.001
 CLOSE_LINGER_MS = 200
+# At close, how long the told-to-leave workers get to read our last words and
+# disconnect before the socket closes under them (see kvcached.transfer.peers).
+CLOSE_GRACE_S = 1.0
 # Plain ints: the IntFlag members of pyzmq cost an enum operation per use.
 _POLLIN, _SNDMORE, _EVENTS, _RCVMORE = (int(f) for f in (zmq.POLLIN, zmq.SNDMORE, zmq.EVENTS,
                                                          zmq.RCVMORE))
@@ -140,6 +144,7 @@ class WorkerTransfer(Transfer):
         # lost (worker_timeout_s) and killed, which drops its queue.
         self._router.setsockopt(zmq.SNDHWM, 0)
         self._router.bind(endpoint)
+        self._peers = PeerTracker(self._router)  # before any worker can connect
         self._router_fd = self._router.getsockopt(zmq.FD)  # readable: look at EVENTS
         self._thread = threading.Thread(target=self._io_loop, name="kvcached-coordinator",
                                         daemon=True)
@@ -310,6 +315,7 @@ class WorkerTransfer(Transfer):
                         self._send_heartbeats()
                         last_hb = now
                     self._check_liveness(now)
+                    self._peers.update()
         except Exception:
             logger.exception("coordinator IO thread died; failing all tasks")
             self._healthy = False
@@ -318,8 +324,11 @@ class WorkerTransfer(Transfer):
                 for w in self.workers:
                     if w.ready:
                         self._send(w.rank, P.Shutdown("engine closing").encode())
-                # A short linger so the last words (Shutdown, a refusal) reach the
-                # workers; never long enough to hang a closing engine.
+                # The last words (Shutdown, a refusal) reach a worker only if it
+                # reads them before the connection goes: wait for the workers to
+                # leave, never long enough to hang a closing engine.
+                self._peers.wait_all_gone(CLOSE_GRACE_S)
+                self._peers.close()
                 self._router.close(linger=CLOSE_LINGER_MS)
 
     @staticmethod
