@@ -68,7 +68,9 @@ def hello(router: zmq.Socket, peers: PeerTracker) -> bytes:
     assert router.poll(20_000), "no hello from the peer"
     ident, msg = router.recv_multipart()
     assert msg == b"hello"
-    peers.update()
+    deadline = time.monotonic() + 10  # the accept event precedes the hello; allow for it
+    while len(peers.open) != 1 and time.monotonic() < deadline:
+        peers.update(100)
     assert len(peers.open) == 1
     return ident
 
