@@ -1,0 +1,151 @@
+"""The native tree node (cuda/tree_node.c): PyNode's attributes, invisible to the
+garbage collector, freed without leaks or deep recursion; PyNode as the fallback."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvcached.tree as tree_mod
+from kvcached.tree import BlockTree, PyNode, Tier
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def native_node():
+    """The extension module; skipped only where it cannot be built at all."""
+    from kvcached.copy.native_build import find_compiler
+    if find_compiler() is None:
+        pytest.skip("no C compiler: PyNode is used (covered by the fallback test below)")
+    assert tree_mod.native_node_error is None, tree_mod.native_node_error
+    assert tree_mod.Node is not PyNode
+    return sys.modules["kvcached._tree_node"]
+
+
+def chain(tree: BlockTree, length: int):
+    n = tree.root
+    for i in range(length):
+        n = tree.add_child(n, i.to_bytes(16, "little"))
+    return n
+
+
+def test_same_attributes_and_defaults_as_pynode(native_node):
+    parent = PyNode(b"p", None, 0)
+    for node in (tree_mod.Node(b"\x01" * 16, parent, 3), PyNode(b"\x01" * 16, parent, 3)):
+        assert (node.hash, node.parent, node.children, node.depth) == (b"\x01" * 16, parent, {}, 3)
+        assert node.state is Tier.STORAGE
+        assert (node.gpu, node.cpu, node.ref, node.last_access, node.busy) == (-1, -1, 0, 0, 0)
+        assert (node.n_gpu_children, node.n_cpu_children, node.in_storage) == (0, 0, False)
+        assert (node.gpu_key, node.cpu_key, node.input, node.mkey) == (None,) * 4
+        node.gpu, node.state = 7, Tier.GPU
+        assert repr(node) == "Node(01010101 GPU gpu=7 cpu=-1 ref=0 t=0 d=3)"
+        with pytest.raises(AttributeError):
+            node.colour = "red"  # slots only: a typo is an error, not a new attribute
+
+
+def test_each_node_has_its_own_children_dict(native_node):
+    a, b = tree_mod.Node(b"a", None, 0), tree_mod.Node(b"b", None, 0)
+    a.children[b"x"] = b
+    assert b.children == {} and a.children == {b"x": b}
+
+
+def test_the_collector_never_sees_the_tree(native_node):
+    gc.collect()
+    before = len(gc.get_objects())
+    tree = BlockTree()
+    for branch in range(50):
+        n = tree.add_child(tree.root, bytes([branch]) * 16)
+        for depth in range(40):
+            n = tree.add_child(n, bytes([branch, depth]) * 8, b"input", branch * 100 + depth)
+    assert tree.num_nodes == 50 * 41
+    assert not gc.is_tracked(n) and not gc.is_tracked(tree.root.children)
+    assert not gc.is_tracked(tree.memo)
+    # The tree, its LRU heaps and lists: a handful of objects, not one per node.
+    assert len(gc.get_objects()) - before < 20
+
+
+def test_a_dropped_tree_frees_every_node(native_node):
+    gc.collect()
+    live = native_node.live()
+    tree = BlockTree()
+    leaf = chain(tree, 1000)
+    for i in range(100):
+        tree.add_child(tree.root, bytes([i + 1]) * 16)  # never chain()'s first hash
+    assert native_node.live() == live + 1101
+    del tree, leaf
+    gc.collect()
+    assert native_node.live() == live
+
+
+def test_removed_subtrees_are_freed(native_node):
+    tree = BlockTree()
+    keep = tree.add_child(tree.root, b"k" * 16)
+    live = native_node.live()
+    top = tree.add_child(tree.root, b"t" * 16)
+    n = top
+    for i in range(200):
+        n = tree.add_child(n, i.to_bytes(16, "little"))
+    del n
+    assert native_node.live() == live + 201
+    assert tree.remove(top) == 201
+    del top
+    assert native_node.live() == live
+    assert keep.parent is tree.root
+
+
+def test_freeing_a_very_long_chain_does_not_recurse():
+    """A million-node chain freed at once (its last reference dropped) must not
+    overflow the C stack: the type frees parents in a loop. Run in a child so a
+    crash is a failure, not a dead test run."""
+    code = textwrap.dedent("""
+        import sys
+        import kvcached.tree as t
+        assert t.native_node_error is None, t.native_node_error
+        mod = sys.modules["kvcached._tree_node"]
+        n = None
+        for i in range(1_000_000):
+            n = t.Node(b"h", n, i)
+        del n
+        print("live", mod.live())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "live 0"
+
+
+def test_without_native_code_the_python_node_is_used(tmp_path):
+    code = textwrap.dedent("""
+        import gc
+        import sys
+        import kvcached.tree as t
+        from kvcached import CacheConfig
+        from kvcached.manager import CacheManager
+        assert t.Node is t.PyNode and "KVCACHED_NO_NATIVE" in t.native_node_error
+        cfg = CacheConfig.load(num_gpu_blocks=8, num_cpu_blocks=4, block_size=4,
+                               transfer_mode="inprocess", create_cache=True,
+                               check_host_memory=False, run_dir=sys.argv[1])
+        with CacheManager(cfg) as mgr:
+            for i in range(40):
+                toks = [i % 3, 1, 2, 3] * (1 + i % 4) + [9]
+                a = mgr.allocate(i, toks)
+                a.wait()
+                mgr.commit(i, toks, len(toks))
+                mgr.free(i)
+                mgr.check_invariants()
+            assert type(mgr.tree.root) is t.PyNode and gc.is_tracked(mgr.tree.root)
+            print(mgr.stats().hit_tokens.get("gpu", 0))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**env, "KVCACHED_NO_NATIVE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) > 0  # the cache served hits on PyNode
