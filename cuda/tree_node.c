@@ -118,7 +118,7 @@ static void node_dealloc(PyObject *op) {
         node_clear(self);
         Py_TYPE(self)->tp_free((PyObject *)self);
         live_nodes--;
-#ifndef Py_REF_DEBUG
+#if !defined(Py_REF_DEBUG) && !defined(Py_GIL_DISABLED) /* plain refcounts only */
         /* Dropping the last reference to the parent would free it from inside
          * this call, and its parent from inside that one: a chain dropped at
          * once (a pruned memo) would recurse as deep as it is long. Free such
