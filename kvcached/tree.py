@@ -27,8 +27,8 @@ the other native pieces): the same attributes as ``PyNode``, but invisible to
 the cyclic garbage collector, which otherwise walks every cached block on
 each full collection (0.9 s at 1M blocks). The tree therefore breaks its own
 parent/child cycles: ``remove`` empties what it unlinks, and a dropped
-``BlockTree`` unlinks every node. ``PyNode`` is the fallback,
-with a warning, when there is no compiler or ``KVCACHED_NO_NATIVE=1``.
+``BlockTree`` unlinks every node. ``PyNode`` is the fallback, with a
+warning, when there is no compiler or ``KVCACHED_NO_NATIVE=1``.
 """
 
 from __future__ import annotations
@@ -220,9 +220,8 @@ class BlockTree:
     entry still answers correctly: a node's input and hash never change.
     """
 
-    def __init__(self, node_type: type | None = None) -> None:
-        self.node_type = node_type or Node
-        self.root = self.node_type(b"", None, 0)
+    def __init__(self) -> None:
+        self.root = Node(b"", None, 0)
         self.root.state = Tier.GPU  # the root is a sentinel that always "holds" everything
         self.gpu_lru = LeafLRU("gpu_key")
         self.cpu_lru = LeafLRU("cpu_key")
@@ -238,7 +237,7 @@ class BlockTree:
                   key: int | None = None) -> Node:
         """A new node (state STORAGE, no copies) under ``parent``; caller sets its
         state. ``block_input``/``key`` (from ``block_hashes_memo``) put it in the memo."""
-        node = self.node_type(h, parent, parent.depth + 1)
+        node = Node(h, parent, parent.depth + 1)
         parent.children[h] = node
         self.num_nodes += 1
         if key is not None:
