@@ -12,8 +12,15 @@
  * breaks them itself (BlockTree.remove empties removed nodes' children,
  * BlockTree.__del__ unlinks every node).
  *
- * The attributes are kvcached.tree.PyNode's, with the same meaning: plain
- * object slots. PyNode is the fallback when this cannot be built.
+ * Children are not a dict per node: most nodes are links of a chain, with
+ * one child, so `children` is NULL (a leaf), that child itself, or a dict
+ * hash -> Node only where the tree branches. That saves ~280 bytes per cached
+ * block, and the dict allocations that made commits trigger young
+ * collections. Python reaches them through child(), link_child(),
+ * unlink_child(), child_nodes(), unlink_children() and n_children.
+ *
+ * The other attributes are kvcached.tree.PyNode's, with the same meaning:
+ * plain object slots. PyNode is the fallback when this cannot be built.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,7 +40,6 @@ static Py_ssize_t live_nodes;   /* allocated and not yet freed: leak checks */
 static PyMemberDef node_members[] = {
     MEMBER(hash, "block hash (bytes)"),
     MEMBER(parent, "parent Node, None for the root"),
-    MEMBER(children, "dict: child hash -> Node"),
     MEMBER(state, "tier state (kvcached.tree.Tier)"),
     MEMBER(gpu, "GPU block id, -1 if none"),
     MEMBER(cpu, "CPU block id, -1 if none"),
@@ -60,19 +66,14 @@ static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "kvcached._tree_node: set_default_state() not called");
         return NULL;
     }
-    PyObject *children = PyDict_New();
-    if (children == NULL)
-        return NULL;
     Node *self = (Node *)type->tp_alloc(type, 0);
-    if (self == NULL) {
-        Py_DECREF(children);
+    if (self == NULL)
         return NULL;
-    }
     live_nodes++;
     PyObject *zero = PyLong_FromLong(0), *minus_one = PyLong_FromLong(-1); /* cached small ints */
     self->hash = Py_NewRef(h);
     self->parent = Py_NewRef(parent);
-    self->children = children;
+    self->children = NULL;
     self->state = Py_NewRef(default_state);
     self->gpu = Py_NewRef(minus_one);
     self->cpu = minus_one;
@@ -90,10 +91,9 @@ static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return (PyObject *)self;
 }
 
-/* Every member but parent. */
+/* Every member but parent and children. */
 static void node_clear(Node *self) {
     Py_CLEAR(self->hash);
-    Py_CLEAR(self->children);
     Py_CLEAR(self->state);
     Py_CLEAR(self->gpu);
     Py_CLEAR(self->cpu);
@@ -110,30 +110,184 @@ static void node_clear(Node *self) {
     Py_CLEAR(self->mkey);
 }
 
+/* Dropping a node's last reference frees it; that drops its parent's or
+ * its single child's, and so on: a chain dropped at once (a pruned memo, a
+ * dropped tree) would recurse as deep as it is long. Nodes are freed from a
+ * work stack instead (the collector's trashcan, which bounds this for GC
+ * types, does not apply to this one). Only where refcounts are plain: debug
+ * and free-threaded builds take the recursive path. */
+#define DEALLOC_STACK 64
+
+/* The last reference to `o` is ours: hand it back, or queue a Node for freeing. */
+static void release(PyObject *o, Node ***stack, size_t *n, size_t *cap, Node **local) {
+    if (o == NULL)
+        return;
+#if !defined(Py_REF_DEBUG) && !defined(Py_GIL_DISABLED)
+    if (Py_IS_TYPE(o, &NodeType) && Py_REFCNT(o) == 1) {
+        if (*n == *cap) {
+            size_t grown = *cap * 2;
+            Node **bigger = PyMem_Malloc(grown * sizeof(Node *));
+            if (bigger == NULL) {
+                Py_DECREF(o); /* out of memory: recurse instead */
+                return;
+            }
+            memcpy(bigger, *stack, *n * sizeof(Node *));
+            if (*stack != local)
+                PyMem_Free(*stack);
+            *stack = bigger;
+            *cap = grown;
+        }
+        Py_SET_REFCNT(o, 0);
+        (*stack)[(*n)++] = (Node *)o;
+        return;
+    }
+#else
+    (void)stack, (void)n, (void)cap, (void)local;
+#endif
+    Py_DECREF(o);
+}
+
 static void node_dealloc(PyObject *op) {
-    Node *self = (Node *)op;
-    for (;;) {
-        PyObject *parent = self->parent;
-        self->parent = NULL;
+    Node *local[DEALLOC_STACK], **stack = local;
+    size_t n = 0, cap = DEALLOC_STACK;
+    stack[n++] = (Node *)op;
+    while (n > 0) {
+        Node *self = stack[--n];
+        PyObject *parent = self->parent, *children = self->children;
+        self->parent = self->children = NULL;
         node_clear(self);
         Py_TYPE(self)->tp_free((PyObject *)self);
         live_nodes--;
-#if !defined(Py_REF_DEBUG) && !defined(Py_GIL_DISABLED) /* plain refcounts only */
-        /* Dropping the last reference to the parent would free it from inside
-         * this call, and its parent from inside that one: a chain dropped at
-         * once (a pruned memo) would recurse as deep as it is long. Free such
-         * a parent in this loop instead (the collector's trashcan, which
-         * bounds this for GC types, does not apply to this one). */
-        if (parent != NULL && Py_IS_TYPE(parent, &NodeType) && Py_REFCNT(parent) == 1) {
-            Py_SET_REFCNT(parent, 0);
-            self = (Node *)parent;
-            continue;
-        }
-#endif
-        Py_XDECREF(parent);
-        return;
+        release(parent, &stack, &n, &cap, local);
+        release(children, &stack, &n, &cap, local); /* a dict frees its nodes itself */
     }
+    if (stack != local)
+        PyMem_Free(stack);
 }
+
+/* ------------------------------------------------------------ children */
+
+static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
+
+/* Whether `child` (a Node) is stored under `h`: its own hash. -1 on error. */
+static int keyed_by(PyObject *child, PyObject *h) {
+    PyObject *own = ((Node *)child)->hash;
+    if (own == h)
+        return 1;
+    if (own == NULL)
+        return 0;
+    if (PyBytes_CheckExact(own) && PyBytes_CheckExact(h))
+        return PyBytes_GET_SIZE(own) == PyBytes_GET_SIZE(h) &&
+               memcmp(PyBytes_AS_STRING(own), PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h)) == 0;
+    return PyObject_RichCompareBool(own, h, Py_EQ);
+}
+
+static PyObject *node_child(PyObject *op, PyObject *h) {
+    PyObject *c = ((Node *)op)->children;
+    if (c == NULL)
+        Py_RETURN_NONE;
+    if (is_node(c)) {
+        int eq = keyed_by(c, h);
+        if (eq < 0)
+            return NULL;
+        return Py_NewRef(eq ? c : Py_None);
+    }
+    PyObject *found = PyDict_GetItemWithError(c, h);
+    if (found == NULL && PyErr_Occurred())
+        return NULL;
+    return Py_NewRef(found ? found : Py_None);
+}
+
+static PyObject *node_link_child(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
+    Node *self = (Node *)op;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "link_child(h, node) takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *h = args[0], *child = args[1], *c = self->children;
+    if (c == NULL && is_node(child)) {
+        int eq = keyed_by(child, h);
+        if (eq < 0)
+            return NULL;
+        if (eq) { /* the common case: one child, under its own hash */
+            self->children = Py_NewRef(child);
+            Py_RETURN_NONE;
+        }
+    }
+    if (c == NULL || is_node(c)) { /* the tree branches here: a dict from now on */
+        PyObject *d = PyDict_New();
+        if (d == NULL || (c != NULL && PyDict_SetItem(d, ((Node *)c)->hash, c) < 0)) {
+            Py_XDECREF(d);
+            return NULL;
+        }
+        Py_XSETREF(self->children, d);
+        c = d;
+    }
+    if (PyDict_SetItem(c, h, child) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *node_unlink_child(PyObject *op, PyObject *h) {
+    Node *self = (Node *)op;
+    PyObject *c = self->children;
+    if (is_node(c)) {
+        int eq = keyed_by(c, h);
+        if (eq < 0)
+            return NULL;
+        if (eq) {
+            Py_CLEAR(self->children);
+            Py_RETURN_NONE;
+        }
+    } else if (c != NULL) {
+        if (PyDict_DelItem(c, h) < 0)
+            return NULL;
+        if (PyDict_GET_SIZE(c) == 0)
+            Py_CLEAR(self->children);
+        Py_RETURN_NONE;
+    }
+    PyErr_SetObject(PyExc_KeyError, h);
+    return NULL;
+}
+
+static PyObject *node_child_nodes(PyObject *op, PyObject *unused) {
+    PyObject *c = ((Node *)op)->children;
+    if (c == NULL)
+        return PyList_New(0);
+    if (is_node(c)) {
+        PyObject *one = PyList_New(1);
+        if (one != NULL)
+            PyList_SET_ITEM(one, 0, Py_NewRef(c));
+        return one;
+    }
+    return PyDict_Values(c);
+}
+
+static PyObject *node_unlink_children(PyObject *op, PyObject *unused) {
+    Py_CLEAR(((Node *)op)->children);
+    Py_RETURN_NONE;
+}
+
+static PyObject *node_n_children(PyObject *op, void *closure) {
+    PyObject *c = ((Node *)op)->children;
+    return PyLong_FromSsize_t(c == NULL ? 0 : is_node(c) ? 1 : PyDict_GET_SIZE(c));
+}
+
+static PyMethodDef node_methods[] = {
+    {"child", node_child, METH_O, "The child stored under hash h, or None."},
+    {"link_child", (PyCFunction)(void (*)(void))node_link_child, METH_FASTCALL,
+     "Store node as the child under hash h (replacing one stored there)."},
+    {"unlink_child", node_unlink_child, METH_O,
+     "Remove the child under hash h (KeyError if there is none)."},
+    {"child_nodes", node_child_nodes, METH_NOARGS, "The children, as a new list."},
+    {"unlink_children", node_unlink_children, METH_NOARGS, "Drop every child."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef node_getset[] = {
+    {"n_children", node_n_children, NULL, "how many children the node has", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 /* Node(1a2b3c4d GPU gpu=3 cpu=-1 ref=1 t=7 d=2), like PyNode's repr. */
 static PyObject *node_repr(PyObject *op) {
@@ -174,6 +328,8 @@ static PyTypeObject NodeType = {
     .tp_dealloc = node_dealloc,
     .tp_repr = node_repr,
     .tp_members = node_members,
+    .tp_methods = node_methods,
+    .tp_getset = node_getset,
 };
 
 static PyObject *set_default_state(PyObject *self, PyObject *state) {

@@ -190,7 +190,7 @@ class EvictionMixin:
     def _remove(self, node: Node) -> None:
         """Unlink a node that holds no copy; CPU copies below it (unreachable
         without it) are dropped with it."""
-        if not node.children:  # the common case: a leaf
+        if not node.n_children:  # the common case: a leaf
             self.tree.remove(node)
             return
         cpus = []
@@ -341,7 +341,7 @@ def _subtree(node: Node):
     while stack:
         n = stack.pop()
         yield n
-        stack.extend(n.children.values())
+        stack.extend(n.child_nodes())
 
 
 def gpu_evictable(n: Node) -> bool:

@@ -115,7 +115,7 @@ class FetchMixin:
         out, node = [], parent
         for i in range(start, start + n):
             h = req.hashes[i]
-            child = node.children.get(h)
+            child = node.child(h)
             if child is None:
                 child = self.tree.add_child(node, h, *req.memo_entry(i))
             elif child.state is not Tier.STORAGE:

@@ -56,7 +56,7 @@ def _check_busy(mgr: CacheManager, nodes: list[Node]) -> None:
 def _check_structure(nodes: list[Node]) -> None:
     for n in nodes:
         p = n.parent
-        if p.children.get(n.hash) is not n or n.depth != p.depth + 1:
+        if p.child(n.hash) is not n or n.depth != p.depth + 1:
             _fail(f"{n} is not linked under its parent {p}")
         holds_gpu = n.state in GPU_STATES
         if holds_gpu != (n.gpu >= 0):
@@ -72,8 +72,8 @@ def _check_structure(nodes: list[Node]) -> None:
                 _fail(f"{n} holds a GPU block under {p} which does not (GPU not prefix-closed)")
             if n.cpu >= 0 and p.gpu < 0 and p.cpu < 0:
                 _fail(f"{n} holds a CPU block under {p} which holds nothing")
-        n_gpu = sum(c.state in (Tier.GPU, Tier.SWAP_IN) for c in n.children.values())
-        n_cpu = sum(c.cpu >= 0 for c in n.children.values())
+        n_gpu = sum(c.state in (Tier.GPU, Tier.SWAP_IN) for c in n.child_nodes())
+        n_cpu = sum(c.cpu >= 0 for c in n.child_nodes())
         if (n_gpu, n_cpu) != (n.n_gpu_children, n.n_cpu_children):
             _fail(f"{n}: child counters ({n.n_gpu_children}, {n.n_cpu_children}) "
                   f"but children hold ({n_gpu}, {n_cpu})")

@@ -256,7 +256,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         GPU = Tier.GPU
         hashes = hashes[:limit]
         for h in hashes:
-            child = node.children.get(h)
+            child = node.child(h)
             if child is None or child.state is not GPU:
                 break
             if not child.ref:
@@ -270,7 +270,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         n_gpu = len(out)
         CPU = Tier.CPU
         for h in hashes[n_gpu:]:
-            node = node.children.get(h)
+            node = node.child(h)
             if node is None or node.state is not CPU:
                 break
             if node.cpu_key is not None:
@@ -387,7 +387,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         parent = req.nodes[-1] if req.nodes else self.tree.root
         for i in range(len(req.nodes), full):
             h = req.hashes[i]
-            node = parent.children.get(h)
+            node = parent.child(h)
             if node is None:
                 node = self._new_gpu_node(parent, h, req.blocks[i], req, i)
             elif node.state is Tier.GPU:
@@ -598,7 +598,7 @@ class CacheManager(EvictionMixin, FetchMixin):
     def _forget_storage(self) -> None:
         for n in sorted(self.tree.walk(), key=lambda n: -n.depth):
             n.in_storage = False
-            if n.state is Tier.STORAGE and not n.children:
+            if n.state is Tier.STORAGE and not n.n_children:
                 self.tree.remove(n)
 
     def _wait_background(self, timeout_s: float) -> bool:

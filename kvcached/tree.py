@@ -54,14 +54,14 @@ IN_FLIGHT = (Tier.SWAP_IN, Tier.SWAP_OUT)
 class PyNode:
     """One cached block. Plain slots: the tree holds up to millions of these."""
 
-    __slots__ = ("hash", "parent", "children", "state", "gpu", "cpu", "in_storage",
+    __slots__ = ("hash", "parent", "_children", "state", "gpu", "cpu", "in_storage",
                  "ref", "last_access", "depth", "n_gpu_children", "n_cpu_children", "busy",
                  "gpu_key", "cpu_key", "input", "mkey")
 
     def __init__(self, h: bytes, parent: PyNode | None, depth: int):
         self.hash = h
         self.parent = parent
-        self.children: dict[bytes, Node] = {}
+        self._children: dict[bytes, PyNode] = {}
         self.state = Tier.STORAGE
         self.gpu = -1
         self.cpu = -1
@@ -78,6 +78,26 @@ class PyNode:
         self.cpu_key: int | None = None  # live key in the CPU LRU
         self.input: bytes | None = None  # the bytes hashed into ``hash`` (BlockTree.memo)
         self.mkey: int | None = None  # its memo key while in the tree, else None
+
+    # Children by block hash; the native Node stores a single child without a dict.
+    def child(self, h: bytes) -> PyNode | None:
+        return self._children.get(h)
+
+    def link_child(self, h: bytes, node: PyNode) -> None:
+        self._children[h] = node
+
+    def unlink_child(self, h: bytes) -> None:
+        del self._children[h]
+
+    def child_nodes(self) -> list[PyNode]:
+        return list(self._children.values())
+
+    def unlink_children(self) -> None:
+        self._children = {}
+
+    @property
+    def n_children(self) -> int:
+        return len(self._children)
 
     def __repr__(self) -> str:
         return (f"Node({self.hash.hex()[:8]} {self.state.name} gpu={self.gpu} cpu={self.cpu} "
@@ -231,14 +251,14 @@ class BlockTree:
         self.memo_cap = MEMO_SLACK  # prune the memo when it grows past this
 
     def child(self, parent: Node, h: bytes) -> Node | None:
-        return parent.children.get(h)
+        return parent.child(h)
 
     def add_child(self, parent: Node, h: bytes, block_input: bytes | None = None,
                   key: int | None = None) -> Node:
         """A new node (state STORAGE, no copies) under ``parent``; caller sets its
         state. ``block_input``/``key`` (from ``block_hashes_memo``) put it in the memo."""
         node = Node(h, parent, parent.depth + 1)
-        parent.children[h] = node
+        parent.link_child(h, node)
         self.num_nodes += 1
         if key is not None:
             node.input = block_input
@@ -261,8 +281,8 @@ class BlockTree:
         under a node that loses its last copy, so nothing is leaked.
         """
         assert node.gpu < 0 and node.cpu < 0 and node.ref == 0, f"removing a live node {node}"
-        del node.parent.children[node.hash]
-        if not node.children:  # a leaf: no walk
+        node.parent.unlink_child(node.hash)
+        if not node.n_children:  # a leaf: no walk
             self.gpu_lru.discard(node)
             self.cpu_lru.discard(node)
             node.mkey = None  # out of the memo (lazily: see the class docstring)
@@ -275,8 +295,8 @@ class BlockTree:
             self.gpu_lru.discard(n)
             self.cpu_lru.discard(n)
             n.mkey = None
-            stack.extend(n.children.values())
-            n.children = {}
+            stack.extend(n.child_nodes())
+            n.unlink_children()
             removed += 1
         self.num_nodes -= removed
         return removed
@@ -295,14 +315,14 @@ class BlockTree:
         stack = [root]
         while stack:
             n = stack.pop()
-            stack.extend(n.children.values())
-            n.children = {}
+            stack.extend(n.child_nodes())
+            n.unlink_children()
             n.parent = None
 
     def walk(self):
         """Every node except the root (depth first); for checks and tests, not hot paths."""
-        stack = list(self.root.children.values())
+        stack = self.root.child_nodes()
         while stack:
             n = stack.pop()
             yield n
-            stack.extend(n.children.values())
+            stack.extend(n.child_nodes())

@@ -52,7 +52,7 @@ def tier_of(mgr, token_ids, extra_key=None):
     from kvcached.hashing import block_hashes
     node, out = mgr.tree.root, []
     for h in block_hashes(mgr._ns, token_ids, mgr.block_size, extra_key):
-        node = node.children.get(h)
+        node = node.child(h)
         if node is None:
             break
         out.append((node.state.name, node.gpu, node.cpu))

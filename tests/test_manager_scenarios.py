@@ -306,7 +306,7 @@ def _path(mgr, tokens):
     from kvcached.hashing import block_hashes
     node, out = mgr.tree.root, []
     for h in block_hashes(mgr._ns, tokens, mgr.block_size):
-        node = node.children.get(h)
+        node = node.child(h)
         if node is None:
             break
         out.append(node)

@@ -39,7 +39,8 @@ def chain(tree: BlockTree, length: int):
 def test_same_attributes_and_defaults_as_pynode(native_node):
     parent = PyNode(b"p", None, 0)
     for node in (tree_mod.Node(b"\x01" * 16, parent, 3), PyNode(b"\x01" * 16, parent, 3)):
-        assert (node.hash, node.parent, node.children, node.depth) == (b"\x01" * 16, parent, {}, 3)
+        assert (node.hash, node.parent, node.depth) == (b"\x01" * 16, parent, 3)
+        assert (node.n_children, node.child_nodes(), node.child(b"x")) == (0, [], None)
         assert node.state is Tier.STORAGE
         assert (node.gpu, node.cpu, node.ref, node.last_access, node.busy) == (-1, -1, 0, 0, 0)
         assert (node.n_gpu_children, node.n_cpu_children, node.in_storage) == (0, 0, False)
@@ -50,10 +51,34 @@ def test_same_attributes_and_defaults_as_pynode(native_node):
             node.colour = "red"  # slots only: a typo is an error, not a new attribute
 
 
-def test_each_node_has_its_own_children_dict(native_node):
-    a, b = tree_mod.Node(b"a", None, 0), tree_mod.Node(b"b", None, 0)
-    a.children[b"x"] = b
-    assert b.children == {} and a.children == {b"x": b}
+@pytest.mark.parametrize("node_type", ["native", "python"])
+def test_children_one_then_many_then_none(native_node, node_type):
+    """One child is stored without a dict; a second makes the node branch;
+    unlinking goes back down. Both node types answer the same."""
+    make = tree_mod.Node if node_type == "native" else PyNode
+    p = make(b"p" * 16, None, 0)
+    a, b, c = (make(bytes([i]) * 16, p, 1) for i in (1, 2, 3))
+    p.link_child(a.hash, a)
+    assert (p.n_children, p.child(a.hash), p.child(b.hash), p.child_nodes()) == (1, a, None, [a])
+    assert p.child(bytes(a.hash)) is a  # equal bytes, not only the same object
+    p.link_child(b.hash, b)
+    p.link_child(c.hash, c)
+    assert p.n_children == 3 and {n.hash for n in p.child_nodes()} == {a.hash, b.hash, c.hash}
+    assert (p.child(a.hash), p.child(b.hash), p.child(c.hash)) == (a, b, c)
+    p.unlink_child(b.hash)
+    assert p.n_children == 2 and p.child(b.hash) is None
+    with pytest.raises(KeyError):
+        p.unlink_child(b.hash)
+    p.unlink_child(a.hash)
+    p.unlink_child(c.hash)
+    assert (p.n_children, p.child_nodes()) == (0, [])
+    with pytest.raises(KeyError):
+        p.unlink_child(a.hash)
+    # a child under a key that is not its own hash still works (a dict holds it)
+    p.link_child(b"other", a)
+    assert p.child(b"other") is a and p.child(a.hash) is None
+    p.unlink_children()
+    assert p.n_children == 0
 
 
 def test_the_collector_never_sees_the_tree(native_node):
@@ -65,7 +90,7 @@ def test_the_collector_never_sees_the_tree(native_node):
         for depth in range(40):
             n = tree.add_child(n, bytes([branch, depth]) * 8, b"input", branch * 100 + depth)
     assert tree.num_nodes == 50 * 41
-    assert not gc.is_tracked(n) and not gc.is_tracked(tree.root.children)
+    assert not gc.is_tracked(n)
     assert not gc.is_tracked(tree.memo)
     # The tree, its LRU heaps and lists: a handful of objects, not one per node.
     assert len(gc.get_objects()) - before < 20
