@@ -127,17 +127,24 @@ def test_removed_subtrees_are_freed(native_node):
 
 def test_freeing_a_very_long_chain_does_not_recurse():
     """A million-node chain freed at once (its last reference dropped) must not
-    overflow the C stack: the type frees parents in a loop. Run in a child so a
-    crash is a failure, not a dead test run."""
+    overflow the C stack, whether it hangs by parent links (a leaf held last) or
+    by child links (a head held last): the type frees nodes from a work stack.
+    Run in a child so a crash is a failure, not a dead test run."""
     code = textwrap.dedent("""
         import sys
         import kvcached.tree as t
         assert t.native_node_error is None, t.native_node_error
         mod = sys.modules["kvcached._tree_node"]
         n = None
-        for i in range(1_000_000):
-            n = t.Node(b"h", n, i)
+        for i in range(1_000_000):  # held by its leaf, up the parent links
+            n = t.Node(i.to_bytes(8, "little"), n, i)
         del n
+        head = n = t.Node(b"head", None, 0)
+        for i in range(1_000_000):  # held by its head, down the child links
+            c = t.Node(i.to_bytes(8, "little"), None, i + 1)
+            n.link_child(c.hash, c)
+            n = c
+        del n, c, head
         print("live", mod.live())
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
