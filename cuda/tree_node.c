@@ -182,8 +182,9 @@ static int keyed_by(PyObject *child, PyObject *h) {
     return PyObject_RichCompareBool(own, h, Py_EQ);
 }
 
-static PyObject *node_child(PyObject *op, PyObject *h) {
-    PyObject *c = ((Node *)op)->children;
+/* The child under h (a new reference), None, or NULL with an error. */
+static PyObject *child_of(Node *self, PyObject *h) {
+    PyObject *c = self->children;
     if (c == NULL)
         Py_RETURN_NONE;
     if (is_node(c)) {
@@ -197,6 +198,8 @@ static PyObject *node_child(PyObject *op, PyObject *h) {
         return NULL;
     return Py_NewRef(found ? found : Py_None);
 }
+
+static PyObject *node_child(PyObject *op, PyObject *h) { return child_of((Node *)op, h); }
 
 static PyObject *node_link_child(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Node *self = (Node *)op;
@@ -332,6 +335,105 @@ static PyTypeObject NodeType = {
     .tp_getset = node_getset,
 };
 
+/* --------------------------------------------------------- match_ref */
+
+/* node.ref += 1; 1 if it was 0 before, 0 if not, -1 on error. */
+static int ref_up(Node *node) {
+    long v = PyLong_AsLong(node->ref);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *up = PyLong_FromLong(v + 1);
+    if (up == NULL)
+        return -1;
+    Py_SETREF(node->ref, up);
+    return v == 0;
+}
+
+/* Take node off an LRU: remember (node, key) in `unlisted`, set the key None. */
+static int unlist(Node *node, PyObject **key_slot, PyObject *unlisted) {
+    PyObject *pair = PyTuple_Pack(2, (PyObject *)node, *key_slot);
+    if (pair == NULL || PyList_Append(unlisted, pair) < 0) {
+        Py_XDECREF(pair);
+        return -1;
+    }
+    Py_DECREF(pair);
+    Py_SETREF(*key_slot, Py_NewRef(Py_None));
+    return 0;
+}
+
+/* CacheManager._match_ref's loop over native nodes (the Python loop there is
+ * the reference, and runs for PyNode): reference the longest prefix of
+ * `hashes[:limit]` whose nodes are in state `gpu`, then of those in state
+ * `cpu`. Returns (nodes, n_gpu, idle, gpu_unlisted, cpu_unlisted, gpu_ids):
+ * idle counts GPU nodes whose ref was 0; *_unlisted are the (node, key) pairs
+ * taken off each LRU; gpu_ids the GPU nodes' block ids, the block table's head. */
+static PyObject *match_ref(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !Py_IS_TYPE(args[0], &NodeType) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match_ref(root: Node, hashes: list, limit, gpu_state, cpu_state)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *hashes = args[1], *gpu = args[3], *cpu = args[4];
+    limit = Py_MIN(limit, PyList_GET_SIZE(hashes));
+    PyObject *out = PyList_New(0), *gpu_unlisted = PyList_New(0), *cpu_unlisted = PyList_New(0),
+             *gpu_ids = PyList_New(0);
+    Node *node = (Node *)Py_NewRef(args[0]);
+    Py_ssize_t i = 0, idle = 0, n_gpu;
+    if (!out || !gpu_unlisted || !cpu_unlisted || !gpu_ids)
+        goto fail;
+    for (; i < limit; i++) {
+        PyObject *child = child_of(node, PyList_GET_ITEM(hashes, i));
+        if (child == NULL)
+            goto fail;
+        if (!Py_IS_TYPE(child, &NodeType) || ((Node *)child)->state != gpu) {
+            Py_DECREF(child);
+            break;
+        }
+        Py_SETREF(node, (Node *)child);
+        if (!node->ref || !node->gpu || !node->gpu_key || !node->cpu_key) {
+            PyErr_SetString(PyExc_AttributeError, "match_ref: a node's attribute was deleted");
+            goto fail;
+        }
+        int was_idle = ref_up(node);
+        if (was_idle < 0 || (was_idle && node->gpu_key != Py_None &&
+                             unlist(node, &node->gpu_key, gpu_unlisted) < 0))
+            goto fail;
+        idle += was_idle;
+        if (PyList_Append(out, (PyObject *)node) < 0 || PyList_Append(gpu_ids, node->gpu) < 0)
+            goto fail;
+    }
+    n_gpu = PyList_GET_SIZE(out);
+    for (; i < limit; i++) {
+        PyObject *child = child_of(node, PyList_GET_ITEM(hashes, i));
+        if (child == NULL)
+            goto fail;
+        if (!Py_IS_TYPE(child, &NodeType) || ((Node *)child)->state != cpu) {
+            Py_DECREF(child);
+            break;
+        }
+        Py_SETREF(node, (Node *)child);
+        if (!node->ref || !node->cpu_key) {
+            PyErr_SetString(PyExc_AttributeError, "match_ref: a node's attribute was deleted");
+            goto fail;
+        }
+        if ((node->cpu_key != Py_None && unlist(node, &node->cpu_key, cpu_unlisted) < 0) ||
+            ref_up(node) < 0 || PyList_Append(out, (PyObject *)node) < 0)
+            goto fail;
+    }
+    Py_DECREF(node);
+    return Py_BuildValue("(NnnNNN)", out, n_gpu, idle, gpu_unlisted, cpu_unlisted, gpu_ids);
+fail:
+    Py_XDECREF(node);
+    Py_XDECREF(out);
+    Py_XDECREF(gpu_unlisted);
+    Py_XDECREF(cpu_unlisted);
+    Py_XDECREF(gpu_ids);
+    return NULL;
+}
+
 static PyObject *set_default_state(PyObject *self, PyObject *state) {
     Py_XSETREF(default_state, Py_NewRef(state));
     Py_RETURN_NONE;
@@ -343,6 +445,8 @@ static PyObject *live(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"live", live, METH_NOARGS, "Nodes allocated and not yet freed (for leak tests)."},
+    {"match_ref", (PyCFunction)(void (*)(void))match_ref, METH_FASTCALL,
+     "CacheManager._match_ref's loop over native nodes (see the C comment)."},
     {"set_default_state", set_default_state, METH_O,
      "The state every new Node starts in (kvcached.tree sets Tier.STORAGE)."},
     {NULL, NULL, 0, NULL},

@@ -31,7 +31,7 @@ from kvcached.pool import BlockPool
 from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.stats import Counters
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
-from kvcached.tree import BlockTree, Node, Tier
+from kvcached.tree import BlockTree, Node, Tier, native_match_ref
 from kvcached.types import Allocation, CacheStats, HitInfo
 
 logger = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class CacheManager(EvictionMixin, FetchMixin):
             bs = self.block_size
             req = _Request(request_id, extra_key, self._hashes(
                 self._ns, token_ids, bs, extra_key, self.tree.memo), n)
-            matched, n_gpu, unlisted = self._match_ref(req.hashes, (n - 1) // bs)
+            matched, n_gpu, unlisted, gpu_ids = self._match_ref(req.hashes, (n - 1) // bs)
             need = -(-(n + reserve_tokens) // bs) - n_gpu
             avail = self.gpu_pool.num_free + self._n_gpu_idle
             if need > avail:
@@ -238,50 +238,28 @@ class CacheManager(EvictionMixin, FetchMixin):
             except BaseException:
                 self._unref_path(matched)
                 raise
-            return self._finish_allocate(req, matched, n_gpu, self.gpu_pool.allocate(need))
+            gpu_ids.extend(self.gpu_pool.allocate(need))
+            return self._finish_allocate(req, matched, n_gpu, gpu_ids)
 
-    def _match_ref(self, hashes: list[bytes], limit: int) -> tuple[list[Node], int, list]:
+    def _match_ref(self, hashes: list[bytes], limit: int) -> tuple[list[Node], int, list,
+                                                                   list[int]]:
         """Reference the longest prefix of ready nodes: GPU nodes, then CPU nodes
-        (GPU is prefix-closed); stops at in-flight nodes. One pass: the per-block
-        hot loop of allocate, with ``_ref`` inlined.
+        (GPU is prefix-closed); stops at in-flight nodes. The per-block hot loop
+        of allocate (``match_ref``: in C for native nodes).
 
-        Returns the nodes, how many are on GPU, and the ``(node, lru, key)`` of
+        Returns the nodes, how many are on GPU, the ``(node, lru, key)`` of
         nodes taken off an LRU (at most the deepest GPU and the deepest CPU
-        node: every other node has a child on the path), for the undo."""
-        out: list[Node] = []
-        node = self.tree.root
-        gpu_lru, cpu_lru = self.tree.gpu_lru, self.tree.cpu_lru
-        unlisted = []
-        idle = 0
-        GPU = Tier.GPU
-        hashes = hashes[:limit]
-        for h in hashes:
-            child = node.child(h)
-            if child is None or child.state is not GPU:
-                break
-            if not child.ref:
-                idle += 1
-                if child.gpu_key is not None:
-                    unlisted.append((child, gpu_lru, child.gpu_key))
-                    child.gpu_key = None
-            child.ref += 1
-            out.append(child)
-            node = child
-        n_gpu = len(out)
-        CPU = Tier.CPU
-        for h in hashes[n_gpu:]:
-            node = node.child(h)
-            if node is None or node.state is not CPU:
-                break
-            if node.cpu_key is not None:
-                unlisted.append((node, cpu_lru, node.cpu_key))
-                node.cpu_key = None
-            node.ref += 1
-            out.append(node)
+        node: every other node has a child on the path), for the undo, and
+        the GPU nodes' block ids."""
+        tree = self.tree
+        out, n_gpu, idle, gpu_unlisted, cpu_unlisted, gpu_ids = _MATCH_REF(
+            tree.root, hashes, limit, Tier.GPU, Tier.CPU)
+        unlisted = [(n, tree.gpu_lru, k) for n, k in gpu_unlisted] + \
+            [(n, tree.cpu_lru, k) for n, k in cpu_unlisted]
         self._n_gpu_idle -= idle
         for _, lru, _ in unlisted:
             lru.size -= 1
-        return out, n_gpu, unlisted
+        return out, n_gpu, unlisted, gpu_ids
 
     def _undo_match_ref(self, nodes: list[Node], unlisted: list) -> None:
         """Exactly undo ``_match_ref``: the LRU heaps still hold the old keys
@@ -297,12 +275,14 @@ class CacheManager(EvictionMixin, FetchMixin):
             lru.size += 1
 
     def _finish_allocate(self, req: _Request, matched: list[Node], n_gpu: int,
-                         new: list[int]) -> Allocation:
+                         blocks: list[int]) -> Allocation:
         """Build the block table: GPU hits, then CPU hits (swap-in), then storage
-        hits (load), then fresh blocks to compute into."""
+        hits (load), then fresh blocks to compute into (``blocks``: the GPU hits'
+        ids, then the new blocks)."""
         bs = self.block_size
         swap = matched[n_gpu:]
-        req.blocks = [nd.gpu for nd in matched[:n_gpu]] + new
+        new = blocks[n_gpu:]
+        req.blocks = blocks
         req.nodes = matched  # the request owns the list from here on
         req.alloc = Allocation(req.rid, req.blocks, 0, HitInfo(), [], self._wait_allocation)
         if swap:
@@ -648,6 +628,47 @@ class CacheManager(EvictionMixin, FetchMixin):
         with self._lock:
             self._reap()
             check(self)
+
+
+def match_ref_py(root: Node, hashes: list[bytes], limit: int, GPU: Tier, CPU: Tier
+                 ) -> tuple[list[Node], int, int, list, list, list[int]]:
+    """``CacheManager._match_ref``'s loop in Python: the reference, and what runs
+    for PyNode (``tree.native_match_ref`` is the same in C). Returns the nodes,
+    how many are on GPU, how many GPU nodes were idle (ref 0), the ``(node,
+    key)`` taken off the GPU and the CPU LRU, and the GPU nodes' block ids."""
+    out: list[Node] = []
+    gpu_ids: list[int] = []
+    gpu_unlisted, cpu_unlisted = [], []
+    idle = 0
+    node = root
+    hashes = hashes[:limit]
+    for h in hashes:
+        child = node.child(h)
+        if child is None or child.state is not GPU:
+            break
+        if not child.ref:
+            idle += 1
+            if child.gpu_key is not None:
+                gpu_unlisted.append((child, child.gpu_key))
+                child.gpu_key = None
+        child.ref += 1
+        out.append(child)
+        gpu_ids.append(child.gpu)
+        node = child
+    n_gpu = len(out)
+    for h in hashes[n_gpu:]:
+        node = node.child(h)
+        if node is None or node.state is not CPU:
+            break
+        if node.cpu_key is not None:
+            cpu_unlisted.append((node, node.cpu_key))
+            node.cpu_key = None
+        node.ref += 1
+        out.append(node)
+    return out, n_gpu, idle, gpu_unlisted, cpu_unlisted, gpu_ids
+
+
+_MATCH_REF = native_match_ref or match_ref_py
 
 
 def _hashes_without_memo(parent: bytes, token_ids: Sequence[int], block_size: int,

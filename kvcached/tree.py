@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 from enum import IntEnum
 from pathlib import Path
+from types import ModuleType
 
 
 class Tier(IntEnum):
@@ -104,20 +105,21 @@ class PyNode:
                 f"ref={self.ref} t={self.last_access} d={self.depth})")
 
 
-def _native_node_type() -> tuple[type | None, str | None]:
-    """``(Node type of cuda/tree_node.c, None)``, or ``(None, why)`` for PyNode."""
+def _native_module() -> tuple[ModuleType | None, str | None]:
+    """``(cuda/tree_node.c's module, None)``, or ``(None, why)`` for PyNode."""
     from kvcached.copy import native_build
     source = Path(__file__).resolve().parents[1] / "cuda" / "tree_node.c"
     mod, why = native_build.try_import_extension(
         "kvcached._tree_node", source, "kvc_tree_node", "native tree nodes")
-    if mod is None:
-        return None, why
-    mod.set_default_state(Tier.STORAGE)
-    return mod.Node, None
+    if mod is not None:
+        mod.set_default_state(Tier.STORAGE)
+    return mod, why
 
 
-_native_node, native_node_error = _native_node_type()
-Node = _native_node or PyNode  # what BlockTree builds; both have PyNode's attributes
+_native, native_node_error = _native_module()
+Node = _native.Node if _native else PyNode  # what BlockTree builds; PyNode's attributes
+# CacheManager._match_ref's loop in C, for native nodes (None: the Python loop).
+native_match_ref = _native.match_ref if _native else None
 
 
 class LeafLRU:

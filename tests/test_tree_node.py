@@ -233,3 +233,56 @@ def test_a_dropped_manager_leaves_no_node_behind(native_node, tmp_path, tiers):
         del mgr
         gc.collect()  # the manager itself sits in ordinary cycles (threads, callbacks)
         assert native_node.live() == live, f"run {run}: nodes leaked"
+
+
+def test_native_match_ref_is_the_python_loop(native_node, make_manager):
+    """``match_ref`` in C must do exactly what ``match_ref_py`` does: the same
+    nodes, counts, LRU unlistings and block ids, and the same refs and LRU keys
+    left on every node, on trees that a random workload left in every tier."""
+    import random
+
+    from conftest import toks
+
+    from kvcached.hashing import block_hashes
+    from kvcached.manager import match_ref_py
+    from kvcached.tree import native_match_ref
+    rng = random.Random(5)
+    mgr = make_manager(num_gpu_blocks=10, num_cpu_blocks=12)
+    tree, held, seen = mgr.tree, [], set()
+
+    def state():
+        return {n: (n.ref, n.gpu_key, n.cpu_key) for n in tree.walk()}
+
+    def restore(saved):
+        for n, (ref, gpu_key, cpu_key) in saved.items():
+            n.ref, n.gpu_key, n.cpu_key = ref, gpu_key, cpu_key
+
+    for i in range(300):
+        prompt = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))], tail=1)
+        try:
+            a = mgr.allocate(i, prompt)
+        except Exception:  # NoFreeBlocks: running requests hold the GPU
+            mgr.free(held.pop(0)) if held else None
+            continue
+        a.wait()
+        mgr.commit(i, prompt, len(prompt))
+        held.append(i)
+        if len(held) > rng.randrange(1, 4):
+            mgr.free(held.pop(0))
+        probe = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))])
+        hashes = block_hashes(mgr._ns, probe, 4)
+        for limit in (len(hashes), rng.randrange(len(hashes) + 1)):
+            before = state()
+            got = native_match_ref(tree.root, hashes, limit, Tier.GPU, Tier.CPU)
+            after_native = state()
+            restore(before)
+            want = match_ref_py(tree.root, hashes, limit, Tier.GPU, Tier.CPU)
+            after_py = state()
+            restore(before)
+            assert got == want and after_native == after_py, (i, limit)
+            nodes, n_gpu, _, gpu_unlisted, cpu_unlisted, _ = want
+            seen.update(k for k, hit in (("gpu", n_gpu), ("cpu", len(nodes) - n_gpu),
+                                         ("gpu_unlisted", gpu_unlisted),
+                                         ("cpu_unlisted", cpu_unlisted)) if hit)
+    mgr.check_invariants()
+    assert seen == {"gpu", "cpu", "gpu_unlisted", "cpu_unlisted"}  # every branch compared
