@@ -434,6 +434,80 @@ fail:
     return NULL;
 }
 
+/* --------------------------------------------------------- unref_path */
+
+/* An int attribute's sign: -1, 0 or 1; -2 with an error set. */
+static int sign_of(PyObject *v) {
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "unref_path: a node's attribute was deleted");
+        return -2;
+    }
+    long x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -2;
+    return (x > 0) - (x < 0);
+}
+
+/* EvictionMixin._unref_path's loop over native nodes (unref_path_py in
+ * kvcached/eviction.py is the reference, and runs for PyNode): deepest first,
+ * ref -= 1 and last_access = clock on each node. Returns (idle, nodes):
+ * how many GPU nodes became unreferenced, and the nodes whose LRU membership
+ * may change (for _refresh), deepest first. */
+static PyObject *unref_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "unref_path(nodes: list, clock, gpu_state)");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *clock = args[1], *gpu = args[2];
+    PyObject *refresh = PyList_New(0);
+    if (refresh == NULL)
+        return NULL;
+    Py_ssize_t idle = 0;
+    for (Py_ssize_t i = PyList_GET_SIZE(nodes) - 1; i >= 0; i--) {
+        PyObject *item = PyList_GET_ITEM(nodes, i);
+        if (!Py_IS_TYPE(item, &NodeType)) {
+            PyErr_SetString(PyExc_TypeError, "unref_path: nodes must be native Nodes");
+            goto fail;
+        }
+        Node *n = (Node *)item;
+        long ref = n->ref ? PyLong_AsLong(n->ref) : -1;
+        if (ref == -1 && (PyErr_Occurred() || !n->ref)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_AttributeError, "unref_path: a node's ref was deleted");
+            goto fail;
+        }
+        PyObject *down = PyLong_FromLong(ref - 1);
+        if (down == NULL)
+            goto fail;
+        Py_SETREF(n->ref, down);
+        Py_XSETREF(n->last_access, Py_NewRef(clock));
+        int cpu = sign_of(n->cpu), cpu_kids = sign_of(n->n_cpu_children);
+        if (cpu == -2 || cpu_kids == -2)
+            goto fail;
+        int no_backup = cpu < 0;
+        if (ref - 1 != 0) { /* still held: only a backup's CPU LRU key can move */
+            int busy = sign_of(n->busy);
+            if (busy == -2)
+                goto fail;
+            if (no_backup || cpu_kids || busy)
+                continue;
+        } else {
+            idle += n->state == gpu;
+            int gpu_kids = sign_of(n->n_gpu_children);
+            if (gpu_kids == -2)
+                goto fail;
+            if (gpu_kids && (no_backup || cpu_kids))
+                continue; /* an inner node: in no LRU, before or after */
+        }
+        if (PyList_Append(refresh, (PyObject *)n) < 0)
+            goto fail;
+    }
+    return Py_BuildValue("(nN)", idle, refresh);
+fail:
+    Py_DECREF(refresh);
+    return NULL;
+}
+
 static PyObject *set_default_state(PyObject *self, PyObject *state) {
     Py_XSETREF(default_state, Py_NewRef(state));
     Py_RETURN_NONE;
@@ -445,6 +519,8 @@ static PyObject *live(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"live", live, METH_NOARGS, "Nodes allocated and not yet freed (for leak tests)."},
+    {"unref_path", (PyCFunction)(void (*)(void))unref_path, METH_FASTCALL,
+     "EvictionMixin._unref_path's loop over native nodes (see the C comment)."},
     {"match_ref", (PyCFunction)(void (*)(void))match_ref, METH_FASTCALL,
      "CacheManager._match_ref's loop over native nodes (see the C comment)."},
     {"set_default_state", set_default_state, METH_O,

@@ -19,7 +19,7 @@ import logging
 from kvcached.errors import TransferFailed
 from kvcached.fetch import task_error
 from kvcached.transfer.base import Task
-from kvcached.tree import Node, Tier
+from kvcached.tree import Node, Tier, native_unref_path
 
 logger = logging.getLogger(__name__)
 
@@ -291,20 +291,11 @@ class EvictionMixin:
             self._refresh(node)
 
     def _unref_path(self, nodes: list[Node]) -> None:
-        """``_unref`` over a path, deepest first (the per-block hot loop of free)."""
-        clock, refresh, GPU = self._clock, self._refresh, Tier.GPU
-        idle = 0
-        for n in reversed(nodes):
-            n.ref -= 1
-            n.last_access = clock
-            if n.ref:
-                if n.cpu < 0 or n.n_cpu_children or n.busy:
-                    continue  # still held, and no backup in the CPU LRU to re-key
-            else:
-                if n.state is GPU:
-                    idle += 1
-                if n.n_gpu_children and (n.cpu < 0 or n.n_cpu_children):
-                    continue  # an inner node: in no LRU, before or after
+        """``_unref`` over a path, deepest first (the per-block hot loop of free;
+        ``unref_path``: in C for native nodes)."""
+        idle, changed = _UNREF_PATH(nodes, self._clock, Tier.GPU)
+        refresh = self._refresh
+        for n in changed:
             refresh(n)
         self._n_gpu_idle += idle
 
@@ -327,6 +318,33 @@ class EvictionMixin:
         elif n.cpu_key is not None:
             n.cpu_key = None
             tree.cpu_lru.size -= 1
+
+
+def unref_path_py(nodes: list[Node], clock: int, GPU: Tier) -> tuple[int, list[Node]]:
+    """``EvictionMixin._unref_path``'s loop in Python: the reference, and what runs
+    for PyNode (``tree.native_unref_path`` is the same in C). Deepest first,
+    ``ref -= 1`` and ``last_access = clock`` on each node; returns how many GPU
+    nodes became unreferenced, and the nodes whose LRU membership may change
+    (for ``_refresh``, which reads only the node's own fields, so it may run
+    after the loop), deepest first."""
+    idle = 0
+    changed = []
+    for n in reversed(nodes):
+        n.ref -= 1
+        n.last_access = clock
+        if n.ref:
+            if n.cpu < 0 or n.n_cpu_children or n.busy:
+                continue  # still held, and no backup in the CPU LRU to re-key
+        else:
+            if n.state is GPU:
+                idle += 1
+            if n.n_gpu_children and (n.cpu < 0 or n.n_cpu_children):
+                continue  # an inner node: in no LRU, before or after
+        changed.append(n)
+    return idle, changed
+
+
+_UNREF_PATH = native_unref_path or unref_path_py
 
 
 def _new_gpu_leaf(parent: Node) -> bool:

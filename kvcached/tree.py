@@ -120,6 +120,8 @@ _native, native_node_error = _native_module()
 Node = _native.Node if _native else PyNode  # what BlockTree builds; PyNode's attributes
 # CacheManager._match_ref's loop in C, for native nodes (None: the Python loop).
 native_match_ref = _native.match_ref if _native else None
+# EvictionMixin._unref_path's loop in C, for native nodes (None: the Python loop).
+native_unref_path = _native.unref_path if _native else None
 
 
 class LeafLRU:

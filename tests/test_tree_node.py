@@ -286,3 +286,52 @@ def test_native_match_ref_is_the_python_loop(native_node, make_manager):
                                          ("cpu_unlisted", cpu_unlisted)) if hit)
     mgr.check_invariants()
     assert seen == {"gpu", "cpu", "gpu_unlisted", "cpu_unlisted"}  # every branch compared
+
+
+def test_native_unref_path_is_the_python_loop(native_node, make_manager):
+    """``unref_path`` in C must do exactly what ``unref_path_py`` does: the same
+    refs and access times left on every node, the same idle count and the same
+    nodes to refresh, on paths a random workload left in every tier and with
+    other requests still holding some of their nodes."""
+    import random
+
+    from conftest import toks
+
+    from kvcached.eviction import unref_path_py
+    from kvcached.tree import native_unref_path
+    rng = random.Random(9)
+    mgr = make_manager(num_gpu_blocks=10, num_cpu_blocks=12)
+    tree, held, seen = mgr.tree, [], set()
+
+    def state():
+        return {n: (n.ref, n.last_access) for n in tree.walk()}
+
+    def restore(saved):
+        for n, (ref, last_access) in saved.items():
+            n.ref, n.last_access = ref, last_access
+
+    for i in range(300):
+        prompt = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))], tail=1)
+        try:
+            a = mgr.allocate(i, prompt)
+        except Exception:  # NoFreeBlocks: running requests hold the GPU
+            mgr.free(held.pop(0)) if held else None
+            continue
+        a.wait()
+        mgr.commit(i, prompt, len(prompt))
+        held.append(i)
+        path = mgr._reqs[held[0]].nodes  # a running request's path, as free() passes it
+        before = state()
+        got = native_unref_path(path, 10_000 + i, Tier.GPU)
+        after_native = state()
+        restore(before)
+        want = unref_path_py(path, 10_000 + i, Tier.GPU)
+        after_py = state()
+        restore(before)
+        assert got == want and after_native == after_py, i
+        seen.update(k for k, hit in (("idle", want[0]), ("changed", want[1]),
+                                     ("held", any(n.ref > 1 for n in path))) if hit)
+        if len(held) > rng.randrange(1, 4):
+            mgr.free(held.pop(0))
+    mgr.check_invariants()
+    assert seen == {"idle", "changed", "held"}
