@@ -184,9 +184,12 @@ class LeafLRU:
         return self.pop()
 
     def _next_key(self, node: Node) -> int:
-        """The node's key with the next insertion number."""
-        self._seq += 1
-        return lru_key(node.last_access, node.depth, self._seq)
+        """The node's key with the next insertion number (``lru_key`` inlined: one
+        per evicted block)."""
+        self._seq = seq = self._seq + 1
+        depth = node.depth
+        inv_depth = _DEPTH_MAX - depth if depth < _DEPTH_MAX else 0
+        return (node.last_access << KEY_SHIFT) | (inv_depth << _SEQ_BITS) | (seq & _SEQ_MASK)
 
     def discard(self, node: Node) -> None:
         if getattr(node, self.slot) is not None:

@@ -119,6 +119,11 @@ def test_add_stores_the_packed_key():
     a = node(9, 3)
     lru.add(a)
     assert a.gpu_key == lru_key(9, 3, 1)
+    # the inlined key saturates depth and wraps the order exactly as lru_key does
+    deep = node(7, (1 << 24) + 5)
+    lru._seq = (1 << 40) + 2
+    lru.add(deep)
+    assert deep.gpu_key == lru_key(7, (1 << 24) + 5, (1 << 40) + 3)
 
 
 def test_push_pop_returns_an_older_node_without_listing_it():
