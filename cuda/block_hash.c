@@ -534,14 +534,18 @@ static PyObject *chain_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObje
 
 /* A prompt's blocks are mostly blocks the tree already holds, and a cached
  * node remembers the exact bytes it was hashed from (its "input":
- * h_{i-1} || extra || tokens_i). chain_memo looks each block's input up in a
- * dict {key: node} and, when the node's input is byte-for-byte the same,
- * takes the node's hash instead of running BLAKE2b: equal inputs have equal
- * hashes, so the result is exactly chain()'s. The key is a fast 61-bit mix of
- * the input; it only picks the candidate (a collision, accidental or crafted,
- * is a miss and costs one BLAKE2b). Keys live in this process only. */
+ * h_{i-1} || extra || tokens_i). chain_memo finds a candidate node for each
+ * block's input and, when the node's input is byte-for-byte the same, takes
+ * the node's hash instead of running BLAKE2b: equal inputs have equal hashes,
+ * so the result is exactly chain()'s. The candidate comes from walking the
+ * tree (memo: the node the chain starts under; each block asks the previous
+ * block's node for its child under the block's key, node.memo_child(key),
+ * and the first miss leaves the tree for good), or from a flat dict
+ * {key: node}. The key is a fast 61-bit mix of the input; it only picks the
+ * candidate (a collision, accidental or crafted, is a miss and costs one
+ * BLAKE2b). Keys live in this process only. */
 
-static PyObject *str_input, *str_hash; /* interned attribute names */
+static PyObject *str_input, *str_hash, *str_memo_child; /* interned names */
 
 static inline uint64_t memo_mix(uint64_t a, uint64_t w) {
     a = (a ^ w) * 0x9E3779B97F4A7C15ULL;
@@ -605,13 +609,27 @@ static int tokens_to_bytes(uint8_t *out, PyObject *seq, int is_list, const int64
     return 0;
 }
 
+/* The candidate node for `key` (a new reference, or NULL: none, or an error):
+ * from a flat dict memo, or the child of the walk position `pos` (a tree
+ * node, asked with memo_child; NULL once the walk left the tree). */
+static PyObject *memo_candidate(PyObject *memo, PyObject *pos, PyObject *key) {
+    if (PyDict_Check(memo))
+        return Py_XNewRef(PyDict_GetItemWithError(memo, key));
+    if (pos == NULL)
+        return NULL;
+    PyObject *node = PyObject_CallMethodOneArg(pos, str_memo_child, key);
+    if (node == Py_None)
+        Py_CLEAR(node);
+    return node;
+}
+
 /* The memo's hash and input for buf[0:len], as new references; 0 on a miss
- * (an absent key, or a node hashed from other bytes), -1 on an error. */
-static int memo_lookup(PyObject *memo, PyObject *key, const uint8_t *buf, Py_ssize_t len,
-                       PyObject **hash, PyObject **input) {
-    PyObject *node = PyDict_GetItemWithError(memo, key);
+ * (no candidate, or a node hashed from other bytes), -1 on an error. On a hit
+ * in tree mode, *pos moves to the node (the next block is one of its children). */
+static int memo_lookup(PyObject *memo, PyObject **pos, PyObject *key, const uint8_t *buf,
+                       Py_ssize_t len, PyObject **hash, PyObject **input) {
+    PyObject *node = memo_candidate(memo, *pos, key); /* held: getattr may run code */
     if (node == NULL) return PyErr_Occurred() ? -1 : 0;
-    Py_INCREF(node); /* getattr could run code that changes the dict */
     int found = 0;
     PyObject *in = PyObject_GetAttr(node, str_input);
     if (in != NULL && PyBytes_Check(in) && PyBytes_GET_SIZE(in) == len &&
@@ -627,20 +645,24 @@ static int memo_lookup(PyObject *memo, PyObject *key, const uint8_t *buf, Py_ssi
         }
     }
     Py_XDECREF(in);
-    Py_DECREF(node);
+    if (found && *pos != NULL)
+        Py_SETREF(*pos, node);
+    else
+        Py_DECREF(node);
     return PyErr_Occurred() ? -1 : found;
 }
 
 /* One block: its input in buf[0:len]; the hash, input and key appended at i. */
-static int memo_block(PyObject *memo, const uint8_t *buf, Py_ssize_t len, PyObject *hashes,
-                      PyObject *inputs, PyObject *keys, Py_ssize_t i) {
+static int memo_block(PyObject *memo, PyObject **pos, const uint8_t *buf, Py_ssize_t len,
+                      PyObject *hashes, PyObject *inputs, PyObject *keys, Py_ssize_t i) {
     PyObject *key = PyLong_FromUnsignedLongLong(memo_key_of(buf, (size_t)len));
     if (key == NULL) return -1;
     PyList_SET_ITEM(keys, i, key);
     PyObject *h = NULL, *in = NULL;
-    int found = memo_lookup(memo, key, buf, len, &h, &in);
+    int found = memo_lookup(memo, pos, key, buf, len, &h, &in);
     if (found < 0) return -1;
     if (!found) {
+        Py_CLEAR(*pos); /* off the tree: no later block can be in it */
         uint8_t digest[DIGEST];
         b2b_state s;
         b2b_init(&s);
@@ -666,6 +688,8 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
     int is_list = seq != NULL && PyList_Check(seq);
     Py_ssize_t n = stop - start;
     Py_ssize_t head = parent_len > DIGEST ? parent_len : DIGEST;
+    /* tree mode: the walk position (None: no memo; a dict: flat, no position) */
+    PyObject *pos = PyDict_Check(memo) || memo == Py_None ? NULL : Py_NewRef(memo);
     uint8_t *buf = PyMem_Malloc((size_t)(head + extra_len + 8 * block_size));
     PyObject *hashes = PyList_New(n), *inputs = PyList_New(n), *keys = PyList_New(n);
     if (buf == NULL || hashes == NULL || inputs == NULL || keys == NULL) {
@@ -682,10 +706,11 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
                             (b + 1) * block_size) < 0)
             goto fail;
         len += 8 * block_size;
-        if (memo_block(memo, buf, len, hashes, inputs, keys, b - start) < 0) goto fail;
+        if (memo_block(memo, &pos, buf, len, hashes, inputs, keys, b - start) < 0) goto fail;
         prev = (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(hashes, b - start));
         prev_len = DIGEST;
     }
+    Py_XDECREF(pos);
     PyMem_Free(buf);
     PyObject *out = PyTuple_Pack(3, hashes, inputs, keys);
     Py_DECREF(hashes);
@@ -693,6 +718,7 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
     Py_DECREF(keys);
     return out;
 fail:
+    Py_XDECREF(pos);
     PyMem_Free(buf);
     Py_XDECREF(hashes);
     Py_XDECREF(inputs);
@@ -825,10 +851,14 @@ static PyObject *chain_memo(PyObject *self, PyObject *const *args, Py_ssize_t na
                      "arguments, got %zd", nargs);
         return NULL;
     }
-    if (!PyDict_Check(args[6])) {
-        PyErr_Format(PyExc_TypeError, "memo must be a dict, got %.100s",
-                     Py_TYPE(args[6])->tp_name);
-        return NULL;
+    PyObject *memo = args[6];
+    if (!PyDict_Check(memo) && memo != Py_None) {
+        if (!PyObject_HasAttr(memo, str_memo_child)) {
+            PyErr_Format(PyExc_TypeError,
+                         "memo must be a dict, None or a tree node (with memo_child), got %.100s",
+                         Py_TYPE(memo)->tp_name);
+            return NULL;
+        }
     }
     chain_args a;
     int rc = parse_chain_args(args, &a);
@@ -941,6 +971,7 @@ PyMODINIT_FUNC PyInit__block_hash(void) {
     use_impl(find_impl(NULL)); /* the best supported; portable always is */
     str_input = PyUnicode_InternFromString("input");
     str_hash = PyUnicode_InternFromString("hash");
-    if (str_input == NULL || str_hash == NULL) return NULL;
+    str_memo_child = PyUnicode_InternFromString("memo_child");
+    if (str_input == NULL || str_hash == NULL || str_memo_child == NULL) return NULL;
     return PyModule_Create(&module);
 }

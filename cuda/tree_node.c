@@ -30,6 +30,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *hash, *parent, *children, *state, *gpu, *cpu, *in_storage, *ref, *last_access,
         *depth, *n_gpu_children, *n_cpu_children, *busy, *gpu_key, *cpu_key, *input, *mkey;
+    PyObject *bykey; /* where children is a dict: memo key -> child (see memo_child) */
 } Node;
 
 static PyTypeObject NodeType;
@@ -73,7 +74,7 @@ static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *zero = PyLong_FromLong(0), *minus_one = PyLong_FromLong(-1); /* cached small ints */
     self->hash = Py_NewRef(h);
     self->parent = Py_NewRef(parent);
-    self->children = NULL;
+    self->children = self->bykey = NULL;
     self->state = Py_NewRef(default_state);
     self->gpu = Py_NewRef(minus_one);
     self->cpu = minus_one;
@@ -155,6 +156,7 @@ static void node_dealloc(PyObject *op) {
         Node *self = stack[--n];
         PyObject *parent = self->parent, *children = self->children;
         self->parent = self->children = NULL;
+        Py_CLEAR(self->bykey);
         node_clear(self);
         Py_TYPE(self)->tp_free((PyObject *)self);
         live_nodes--;
@@ -201,6 +203,46 @@ static PyObject *child_of(Node *self, PyObject *h) {
 
 static PyObject *node_child(PyObject *op, PyObject *h) { return child_of((Node *)op, h); }
 
+/* A branching node finds its children by memo key too: bykey[child.mkey]. */
+static int index_key(Node *self, PyObject *child) {
+    PyObject *key = is_node(child) ? ((Node *)child)->mkey : NULL;
+    if (key == NULL || key == Py_None)
+        return 0;
+    if (self->bykey == NULL && (self->bykey = PyDict_New()) == NULL)
+        return -1;
+    return PyDict_SetItem(self->bykey, key, child);
+}
+
+static int unindex_key(Node *self, PyObject *child) {
+    PyObject *key = is_node(child) ? ((Node *)child)->mkey : NULL;
+    if (key == NULL || key == Py_None || self->bykey == NULL)
+        return 0;
+    PyObject *there = PyDict_GetItemWithError(self->bykey, key);
+    if (there == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return there == child ? PyDict_DelItem(self->bykey, key) : 0;
+}
+
+/* The child whose memo key (mkey) is `key`, or None: the hash memo's walk
+ * (cuda/block_hash.c, chain_memo) asks each block's node for the next one. */
+static PyObject *node_memo_child(PyObject *op, PyObject *key) {
+    Node *self = (Node *)op;
+    PyObject *c = self->children;
+    if (is_node(c)) {
+        PyObject *mkey = ((Node *)c)->mkey;
+        int eq = mkey == NULL || mkey == Py_None ? 0 : PyObject_RichCompareBool(mkey, key, Py_EQ);
+        if (eq < 0)
+            return NULL;
+        return Py_NewRef(eq ? c : Py_None);
+    }
+    if (c == NULL || self->bykey == NULL)
+        Py_RETURN_NONE;
+    PyObject *found = PyDict_GetItemWithError(self->bykey, key);
+    if (found == NULL && PyErr_Occurred())
+        return NULL;
+    return Py_NewRef(found ? found : Py_None);
+}
+
 static PyObject *node_link_child(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
     Node *self = (Node *)op;
     if (nargs != 2) {
@@ -217,16 +259,24 @@ static PyObject *node_link_child(PyObject *op, PyObject *const *args, Py_ssize_t
             Py_RETURN_NONE;
         }
     }
-    if (c == NULL || is_node(c)) { /* the tree branches here: a dict from now on */
+    if (c == NULL || is_node(c)) { /* the tree branches here: dicts from now on */
         PyObject *d = PyDict_New();
-        if (d == NULL || (c != NULL && PyDict_SetItem(d, ((Node *)c)->hash, c) < 0)) {
+        if (d == NULL || (c != NULL && (PyDict_SetItem(d, ((Node *)c)->hash, c) < 0 ||
+                                        index_key(self, c) < 0))) {
             Py_XDECREF(d);
             return NULL;
         }
         Py_XSETREF(self->children, d);
         c = d;
     }
-    if (PyDict_SetItem(c, h, child) < 0)
+    PyObject *old = PyDict_GetItemWithError(c, h);
+    if (old == NULL && PyErr_Occurred())
+        return NULL;
+    Py_XINCREF(old);
+    int rc = (old != NULL ? unindex_key(self, old) : 0) < 0 || PyDict_SetItem(c, h, child) < 0 ||
+             index_key(self, child) < 0;
+    Py_XDECREF(old);
+    if (rc)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -243,10 +293,21 @@ static PyObject *node_unlink_child(PyObject *op, PyObject *h) {
             Py_RETURN_NONE;
         }
     } else if (c != NULL) {
-        if (PyDict_DelItem(c, h) < 0)
+        PyObject *child = PyDict_GetItemWithError(c, h);
+        if (child == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, h);
             return NULL;
-        if (PyDict_GET_SIZE(c) == 0)
+        }
+        Py_INCREF(child);
+        int rc = unindex_key(self, child) < 0 || PyDict_DelItem(c, h) < 0;
+        Py_DECREF(child);
+        if (rc)
+            return NULL;
+        if (PyDict_GET_SIZE(c) == 0) {
             Py_CLEAR(self->children);
+            Py_CLEAR(self->bykey);
+        }
         Py_RETURN_NONE;
     }
     PyErr_SetObject(PyExc_KeyError, h);
@@ -267,6 +328,7 @@ static PyObject *node_child_nodes(PyObject *op, PyObject *unused) {
 }
 
 static PyObject *node_unlink_children(PyObject *op, PyObject *unused) {
+    Py_CLEAR(((Node *)op)->bykey);
     Py_CLEAR(((Node *)op)->children);
     Py_RETURN_NONE;
 }
@@ -282,6 +344,8 @@ static PyMethodDef node_methods[] = {
      "Store node as the child under hash h (replacing one stored there)."},
     {"unlink_child", node_unlink_child, METH_O,
      "Remove the child under hash h (KeyError if there is none)."},
+    {"memo_child", node_memo_child, METH_O,
+     "The child whose memo key (mkey) is key, or None (the hash memo's walk)."},
     {"child_nodes", node_child_nodes, METH_NOARGS, "The children, as a new list."},
     {"unlink_children", node_unlink_children, METH_NOARGS, "Drop every child."},
     {NULL, NULL, 0, NULL},

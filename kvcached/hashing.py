@@ -87,11 +87,14 @@ def block_hashes(parent: bytes, token_ids: Sequence[int], block_size: int,
 
 
 def block_hashes_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
-                      extra_key: object, memo: dict, start: int = 0, stop: int | None = None
+                      extra_key: object, memo, start: int = 0, stop: int | None = None
                       ) -> tuple[list[bytes], list[bytes] | None, list[int] | None]:
     """``block_hashes`` that skips BLAKE2b for blocks the cache already holds.
 
-    ``memo`` maps a block input's key to a node that has ``input`` (the bytes
+    ``memo`` finds a candidate node for each block's key: a tree node (the
+    one block ``start`` hangs under; each block asks the previous block's
+    node ``memo_child(key)``, and the first miss ends the walk), a flat dict
+    ``{key: node}``, or None (no memo). A candidate has ``input`` (the bytes
     it was hashed from: parent hash, extra key, tokens) and ``hash``: when a
     block's input equals a node's, the node's hash is taken (equal inputs,
     equal hashes; the key only picks the candidate). Returns ``(hashes,

@@ -138,23 +138,16 @@ def _check_lru(mgr: CacheManager, nodes: list[Node]) -> None:
 
 
 def _check_memo(mgr: CacheManager, nodes: list[Node]) -> None:
-    """Every memo entry is true: its node's input has that key and hashes to the
-    node's hash (the memo hands that hash out). A node with a memo key is in
-    the tree; entries of removed nodes (key cleared) wait for the next prune,
-    within the memo's cap."""
-    tree = mgr.tree
-    live = set(nodes)
-    for key, n in tree.memo.items():
-        if n.mkey is not None and n not in live:
-            _fail(f"{n} left the tree but keeps memo key {n.mkey}")
-        if n.mkey is None and n in live:
-            _fail(f"{n} is in the tree and in the memo without a memo key")
-        if memo_key(n.input) != key:
-            _fail(f"hash memo key {key} holds {n}, whose input has another key")
+    """Every remembered input is true: it has the node's memo key and hashes to
+    the node's hash (the memo hands that hash out), and the memo's walk finds
+    the node under its parent by that key."""
+    for n in nodes:
+        if n.mkey is None:
+            continue
+        if memo_key(n.input) != n.mkey:
+            _fail(f"{n}: memo key {n.mkey} is not the key of its input")
         if blake2b(n.input, digest_size=len(n.hash)).digest() != n.hash:
             _fail(f"{n}: its remembered input does not hash to its hash")
-    if len(tree.memo) > tree.memo_cap:
-        _fail(f"hash memo holds {len(tree.memo)} entries, over its cap {tree.memo_cap}")
-    for n in nodes:
-        if n.mkey is not None and memo_key(n.input) != n.mkey:
-            _fail(f"{n}: memo key {n.mkey} is not the key of its input")
+        found = n.parent.memo_child(n.mkey) if hasattr(n.parent, "memo_child") else n
+        if found is not n and (found is None or found.input == n.input):
+            _fail(f"{n}: the memo walk finds {found} under its parent, not the node")

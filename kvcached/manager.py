@@ -224,7 +224,7 @@ class CacheManager(EvictionMixin, FetchMixin):
                                  f"got {n} tokens, reserve_tokens={reserve_tokens}")
             bs = self.block_size
             req = _Request(request_id, extra_key, self._hashes(
-                self._ns, token_ids, bs, extra_key, self.tree.memo), n)
+                self._ns, token_ids, bs, extra_key, self.tree.memo_root), n)
             matched, n_gpu, unlisted, gpu_ids = self._match_ref(req.hashes, (n - 1) // bs)
             need = -(-(n + reserve_tokens) // bs) - n_gpu
             avail = self.gpu_pool.num_free + self._n_gpu_idle
@@ -354,8 +354,11 @@ class CacheManager(EvictionMixin, FetchMixin):
         have = len(req.hashes)
         if have < full:
             parent = req.hashes[-1] if have else self._ns
+            # Blocks past the prompt's hashed ones sit under nodes not in the
+            # tree yet: no memo walk (they are new, and hashed).
+            memo = self.tree.memo_root if have == 0 else None
             hashes, inputs, keys = self._hashes(parent, token_ids, self.block_size,
-                                                req.extra, self.tree.memo, have, full)
+                                                req.extra, memo, have, full)
             req.hashes.extend(hashes)
             if inputs is None:  # hashed on the Python path: no memo for this request
                 req.inputs = req.keys = None
@@ -672,7 +675,7 @@ _MATCH_REF = native_match_ref or match_ref_py
 
 
 def _hashes_without_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
-                         extra_key, memo: dict, start: int = 0, stop: int | None = None
+                         extra_key, memo, start: int = 0, stop: int | None = None
                          ) -> tuple[list[bytes], None, None]:
     """``block_hashes_memo`` for ``hash_memo = false``: every block is hashed and
     no input is kept (the memo stays empty)."""

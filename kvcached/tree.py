@@ -77,8 +77,8 @@ class PyNode:
         self.busy = 0  # background tasks (write-through) reading this node's blocks
         self.gpu_key: int | None = None  # live key in the GPU LRU (LeafLRU), or None
         self.cpu_key: int | None = None  # live key in the CPU LRU
-        self.input: bytes | None = None  # the bytes hashed into ``hash`` (BlockTree.memo)
-        self.mkey: int | None = None  # its memo key while in the tree, else None
+        self.input: bytes | None = None  # the bytes hashed into ``hash`` (the memo)
+        self.mkey: int | None = None  # the memo key of ``input``, or None
 
     # Children by block hash; the native Node stores a single child without a dict.
     def child(self, h: bytes) -> PyNode | None:
@@ -223,7 +223,6 @@ class LeafLRU:
 KEY_SHIFT = 64
 _DEPTH_BITS, _SEQ_BITS = 24, 40
 _DEPTH_MAX, _SEQ_MASK = (1 << _DEPTH_BITS) - 1, (1 << _SEQ_BITS) - 1
-MEMO_SLACK = 4096  # memo entries of removed nodes tolerated beyond 2x the live ones
 
 
 def lru_key(last_access: int, depth: int, seq: int) -> int:
@@ -233,18 +232,14 @@ def lru_key(last_access: int, depth: int, seq: int) -> int:
 
 
 class BlockTree:
-    """The radix tree, the two tiers' LRU leaf sets and the hash memo.
+    """The radix tree and the two tiers' LRU leaf sets.
 
-    ``memo`` maps the key of a node's hash input (``hashing.memo_key``) to the
-    node, so that hashing a prompt takes the hash of every block the tree
-    already holds instead of running BLAKE2b on it
-    (``hashing.block_hashes_memo``): most of a prompt's blocks are hits. A
-    node is remembered when it is created with its input (the newest node of
-    a key wins). Like the LRU heaps, the memo deletes lazily: ``remove`` only
-    clears the node's ``mkey``, and the entries of removed nodes are dropped
-    in one pass once the memo holds twice the live ones (amortised O(1), and
-    no random access into a large dict per evicted block). Until then such an
-    entry still answers correctly: a node's input and hash never change.
+    The tree is also the hash memo: a node created with its hash input
+    (``input``, and ``mkey``, a fast key of it) lets hashing a prompt take
+    the node's hash instead of running BLAKE2b (``hashing.block_hashes_memo``
+    walks down from ``memo_root``, asking each node for its child under the
+    next block's key: ``Node.memo_child``). A removed node leaves the memo
+    with the tree: nothing to prune, and nothing kept alive.
     """
 
     def __init__(self) -> None:
@@ -253,9 +248,9 @@ class BlockTree:
         self.gpu_lru = LeafLRU("gpu_key")
         self.cpu_lru = LeafLRU("cpu_key")
         self.num_nodes = 0
-        self.memo: dict[int, Node] = {}
-        self.memo_slack = MEMO_SLACK
-        self.memo_cap = MEMO_SLACK  # prune the memo when it grows past this
+        # Where hashing's memo walk starts: the root (native nodes answer
+        # memo_child), or None (PyNode: every block is hashed).
+        self.memo_root = self.root if hasattr(self.root, "memo_child") else None
 
     def child(self, parent: Node, h: bytes) -> Node | None:
         return parent.child(h)
@@ -263,23 +258,16 @@ class BlockTree:
     def add_child(self, parent: Node, h: bytes, block_input: bytes | None = None,
                   key: int | None = None) -> Node:
         """A new node (state STORAGE, no copies) under ``parent``; caller sets its
-        state. ``block_input``/``key`` (from ``block_hashes_memo``) put it in the memo."""
+        state. ``block_input``/``key`` (from ``block_hashes_memo``) put it in the
+        memo: they are set before linking, as a branching parent indexes its
+        children by key."""
         node = Node(h, parent, parent.depth + 1)
-        parent.link_child(h, node)
-        self.num_nodes += 1
         if key is not None:
             node.input = block_input
             node.mkey = key
-            memo = self.memo
-            memo[key] = node
-            if len(memo) > self.memo_cap:
-                self.prune_memo()
+        parent.link_child(h, node)
+        self.num_nodes += 1
         return node
-
-    def prune_memo(self) -> None:
-        """Drop the memo entries of nodes that left the tree."""
-        self.memo = {k: n for k, n in self.memo.items() if n.mkey is not None}
-        self.memo_cap = 2 * len(self.memo) + self.memo_slack
 
     def remove(self, node: Node) -> int:
         """Unlink ``node`` and its subtree; every removed node must hold no block.
@@ -292,7 +280,6 @@ class BlockTree:
         if not node.n_children:  # a leaf: no walk
             self.gpu_lru.discard(node)
             self.cpu_lru.discard(node)
-            node.mkey = None  # out of the memo (lazily: see the class docstring)
             self.num_nodes -= 1
             return 1
         removed, stack = 0, [node]
@@ -301,7 +288,6 @@ class BlockTree:
             assert n.gpu < 0 and n.cpu < 0 and n.ref == 0, f"subtree holds blocks: {n}"
             self.gpu_lru.discard(n)
             self.cpu_lru.discard(n)
-            n.mkey = None
             stack.extend(n.child_nodes())
             n.unlink_children()
             removed += 1

@@ -15,7 +15,6 @@ import pytest
 
 import kvcached.hashing as hashing
 from kvcached.hashing import block_hashes, block_hashes_memo, namespace_hash
-from kvcached.tree import MEMO_SLACK
 
 BS = 16
 NS = namespace_hash("model", "w1")
@@ -138,34 +137,55 @@ def serve(mgr, rid, toks: list[int]) -> None:
     mgr.free(rid)
 
 
-def test_manager_memo_follows_the_tree_lazily(native, make_manager):
-    """Nodes are remembered when created; removal only marks them; a prune drops
-    the marked ones. Every entry stays true throughout (check_invariants)."""
+def test_manager_memo_is_the_tree(native, make_manager):
+    """Nodes are remembered when created and forgotten with the tree: hashing a
+    prompt takes the hashes of the nodes it walks through, and a removed node
+    is hashed again. Every remembered input stays true (check_invariants)."""
     with make_manager(num_gpu_blocks=16, block_size=BS) as mgr:
         tree = mgr.tree
         a = tokens(8, 6 * BS)
         serve(mgr, "a", a)
-        a_nodes = list(tree.memo.values())
-        assert len(a_nodes) == 6 == tree.num_nodes and all(n.mkey is not None for n in a_nodes)
+        a_nodes = list(tree.walk())
+        assert len(a_nodes) == 6 and all(n.mkey is not None for n in a_nodes)
         mgr.check_invariants()
+        hashes, inputs, _ = block_hashes_memo(mgr._ns, a, BS, None, tree.memo_root)
+        assert hashes == block_hashes(mgr._ns, a, BS)
+        assert {id(x) for x in inputs} == {id(n.input) for n in a_nodes}  # taken, not hashed
         assert mgr.allocate("a2", a + [1]).hit.gpu_tokens == 6 * BS
         mgr.free("a2")
 
         serve(mgr, "b", tokens(9, 16 * BS))  # needs every GPU block: all of a's go
-        assert all(n.mkey is None for n in a_nodes)  # removed: marked, not yet dropped
-        assert len(tree.memo) == 6 + 16 and tree.num_nodes == 16
+        assert tree.num_nodes == 16 and not set(a_nodes) & set(tree.walk())
         mgr.check_invariants()
-        # a removed node's entry still answers, with its own bytes
-        hashes, inputs, _ = block_hashes_memo(mgr._ns, a, BS, None, tree.memo)
-        assert hashes == block_hashes(mgr._ns, a, BS)
-        assert all(x is n.input for x, n in zip(inputs, a_nodes))
+        hashes, inputs, _ = block_hashes_memo(mgr._ns, a, BS, None, tree.memo_root)
+        assert hashes == block_hashes(mgr._ns, a, BS)  # hashed again: the same hashes
+        assert not {id(x) for x in inputs} & {id(n.input) for n in a_nodes}
 
-        tree.memo_cap = len(tree.memo)  # the next remembered node prunes
-        serve(mgr, "c", tokens(10, BS + 1))  # evicts 2 of b's blocks, adds 1 node
-        assert tree.num_nodes == 15
-        assert set(tree.memo.values()) == set(tree.walk())  # only live nodes are left
-        assert tree.memo_cap == 2 * 15 + MEMO_SLACK
-        mgr.check_invariants()
+
+def test_the_walk_takes_only_its_own_branch(native):
+    """In tree mode a block is looked up among the previous block's node's
+    children only: a node of the same input elsewhere is not a candidate, and
+    after the first miss the rest is hashed (no later block can be in the tree)."""
+    import kvcached.tree as tree_mod
+    if tree_mod.native_node_error is not None:
+        pytest.skip("tree-mode memo needs native nodes")
+    tree = tree_mod.BlockTree()
+    toks = tokens(21, 4 * BS)
+    hashes, inputs, keys = block_hashes_memo(NS, toks, BS, None, None)
+    node = tree.root
+    for h, x, k in zip(hashes, inputs, keys):
+        node = tree.add_child(node, h, x, k)
+    got = block_hashes_memo(NS, toks, BS, None, tree.root)
+    assert got[0] == hashes and all(a is b for a, b in zip(got[1], inputs))
+    # a different second block: blocks 3 and 4 have other parents, so other hashes
+    other = toks[:BS] + tokens(22, BS) + toks[2 * BS:]
+    got = block_hashes_memo(NS, other, BS, None, tree.root)
+    assert got[0] == block_hashes(NS, other, BS)
+    assert got[1][0] is inputs[0] and all(a is not b for a, b in zip(got[1][1:], inputs[1:]))
+    # starting under block 2's node (as a request resuming there) hits blocks 3-4
+    n2 = tree.root.child(hashes[0]).child(hashes[1])
+    got = block_hashes_memo(hashes[1], toks, BS, None, n2, start=2)
+    assert got[0] == hashes[2:] and all(a is b for a, b in zip(got[1], inputs[2:]))
 
 
 def test_manager_on_the_python_path_still_caches(monkeypatch, make_manager):
@@ -176,7 +196,7 @@ def test_manager_on_the_python_path_still_caches(monkeypatch, make_manager):
         mgr.commit("a", a, len(a))
         mgr.free("a")
         assert mgr.allocate("b", a).hit.gpu_tokens == 4 * BS
-        assert mgr.tree.memo == {}
+        assert all(n.mkey is None and n.input is None for n in mgr.tree.walk())
         mgr.check_invariants()
 
 
@@ -205,7 +225,7 @@ def test_hash_memo_off_keeps_no_inputs_and_caches_the_same(native, make_manager,
                 mgr.free(i)
             out.append(sorted(n.hash for n in mgr.tree.walk()))
             mgr.check_invariants()
-            assert (len(mgr.tree.memo) > 0) is memo_on
+            assert any(n.mkey is not None for n in mgr.tree.walk()) is memo_on
             assert all((n.input is not None) is memo_on for n in mgr.tree.walk())
         seen.append(out)
     assert seen[0] == seen[1]

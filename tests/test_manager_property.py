@@ -35,8 +35,6 @@ class ManagerMachine(RuleBasedStateMachine):
         cfg = tiny_config(run_dir=self.dir, num_gpu_blocks=12, num_cpu_blocks=6)
         self.transfer = FlakyTransfer(cfg, self.dir)
         self.mgr = CacheManager(cfg, transfer=self.transfer).start()
-        tree = self.mgr.tree  # prune the hash memo often: removed nodes' entries go
-        tree.memo_slack = tree.memo_cap = 2
         self.running: dict[int, list[int]] = {}  # rid -> tokens it holds
         self.next_id = 0
 

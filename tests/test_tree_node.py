@@ -91,7 +91,6 @@ def test_the_collector_never_sees_the_tree(native_node):
             n = tree.add_child(n, bytes([branch, depth]) * 8, b"input", branch * 100 + depth)
     assert tree.num_nodes == 50 * 41
     assert not gc.is_tracked(n)
-    assert not gc.is_tracked(tree.memo)
     # The tree, its LRU heaps and lists: a handful of objects, not one per node.
     assert len(gc.get_objects()) - before < 20
 
@@ -335,3 +334,35 @@ def test_native_unref_path_is_the_python_loop(native_node, make_manager):
             mgr.free(held.pop(0))
     mgr.check_invariants()
     assert seen == {"idle", "changed", "held"}
+
+
+def test_memo_child_finds_children_by_key_whether_one_or_many(native_node):
+    """The memo walk asks a node for its child under a memo key: the single
+    child itself, or the branching node's key index, kept in step with
+    link_child / unlink_child."""
+    p = tree_mod.Node(b"p" * 16, None, 0)
+
+    def kid(i, key):
+        n = tree_mod.Node(bytes([i]) * 16, p, 1)
+        n.mkey = key
+        return n
+
+    a, b, c, blind = kid(1, 101), kid(2, 102), kid(3, 103), kid(4, None)
+    assert p.memo_child(101) is None
+    p.link_child(a.hash, a)
+    assert (p.memo_child(101), p.memo_child(102)) == (a, None)
+    for n in (b, c, blind):
+        p.link_child(n.hash, n)
+    assert [p.memo_child(k) for k in (101, 102, 103, 104)] == [a, b, c, None]
+    p.unlink_child(b.hash)
+    assert (p.memo_child(102), p.memo_child(101)) == (None, a)
+    b2 = kid(2, 202)  # a new node under b's hash
+    p.link_child(b2.hash, b2)
+    twin = kid(5, 103)  # a sibling whose key collides with c's: the newer one answers
+    p.link_child(twin.hash, twin)
+    assert (p.memo_child(202), p.memo_child(103)) == (b2, twin)
+    p.unlink_child(twin.hash)
+    assert p.memo_child(103) is None  # a miss costs one BLAKE2b, never a wrong hash
+    for n in (a, b2, c, blind):
+        p.unlink_child(n.hash)
+    assert p.n_children == 0 and p.memo_child(101) is None
