@@ -17,7 +17,9 @@
  * hash -> Node only where the tree branches. That saves ~280 bytes per cached
  * block, and the dict allocations that made commits trigger young
  * collections. Python reaches them through child(), link_child(),
- * unlink_child(), child_nodes(), unlink_children() and n_children.
+ * unlink_child(), child_nodes(), unlink_children() and n_children. The hash
+ * memo walks the tree by memo key (memo_child): a branching node also keeps
+ * `bykey`, its children by their mkey (set before they are linked).
  *
  * The other attributes are kvcached.tree.PyNode's, with the same meaning:
  * plain object slots. PyNode is the fallback when this cannot be built.
@@ -112,8 +114,8 @@ static void node_clear(Node *self) {
 }
 
 /* Dropping a node's last reference frees it; that drops its parent's or
- * its single child's, and so on: a chain dropped at once (a pruned memo, a
- * dropped tree) would recurse as deep as it is long. Nodes are freed from a
+ * its single child's, and so on: a chain dropped at once (a removed
+ * subtree, a dropped tree) would recurse as deep as it is long. Nodes are freed from a
  * work stack instead (the collector's trashcan, which bounds this for GC
  * types, does not apply to this one). Only where refcounts are plain: debug
  * and free-threaded builds take the recursive path. */
