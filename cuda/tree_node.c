@@ -115,10 +115,10 @@ static void node_clear(Node *self) {
 
 /* Dropping a node's last reference frees it; that drops its parent's or
  * its single child's, and so on: a chain dropped at once (a removed
- * subtree, a dropped tree) would recurse as deep as it is long. Nodes are freed from a
- * work stack instead (the collector's trashcan, which bounds this for GC
- * types, does not apply to this one). Only where refcounts are plain: debug
- * and free-threaded builds take the recursive path. */
+ * subtree, a dropped tree) would recurse as deep as it is long. Nodes are
+ * freed from a work stack instead (the collector's trashcan, which bounds
+ * this for GC types, does not apply to this one). Only where refcounts are
+ * plain: debug and free-threaded builds take the recursive path. */
 #define DEALLOC_STACK 64
 
 /* The last reference to `o` is ours: hand it back, or queue a Node for freeing. */
