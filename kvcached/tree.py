@@ -252,9 +252,6 @@ class BlockTree:
         # memo_child), or None (PyNode: every block is hashed).
         self.memo_root = self.root if hasattr(self.root, "memo_child") else None
 
-    def child(self, parent: Node, h: bytes) -> Node | None:
-        return parent.child(h)
-
     def add_child(self, parent: Node, h: bytes, block_input: bytes | None = None,
                   key: int | None = None) -> Node:
         """A new node (state STORAGE, no copies) under ``parent``; caller sets its

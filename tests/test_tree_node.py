@@ -234,50 +234,71 @@ def test_a_dropped_manager_leaves_no_node_behind(native_node, tmp_path, tiers):
         assert native_node.live() == live, f"run {run}: nodes leaked"
 
 
+def running_workload(mgr, seed: int, steps: int = 300):
+    """Serve random prompts of shared prefixes, keeping 1-3 requests running;
+    after each served request yields ``(step, rng, running request ids)``."""
+    import random
+
+    from conftest import toks
+
+    from kvcached import NoFreeBlocks
+    rng, held = random.Random(seed), []
+    for i in range(steps):
+        prompt = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))], tail=1)
+        try:
+            a = mgr.allocate(i, prompt)
+        except NoFreeBlocks:  # running requests hold the GPU
+            if held:
+                mgr.free(held.pop(0))
+            continue
+        a.wait()
+        mgr.commit(i, prompt, len(prompt))
+        held.append(i)
+        yield i, rng, held
+        if len(held) > rng.randrange(1, 4):
+            mgr.free(held.pop(0))
+
+
+def compare_native(mgr, fields: tuple[str, ...], native, python, *args):
+    """Run ``native(*args)`` and ``python(*args)`` from the same tree state;
+    returns both results and the ``fields`` of every node after each run (the
+    state is restored after both)."""
+    def state():
+        return {n: tuple(getattr(n, f) for f in fields) for n in mgr.tree.walk()}
+
+    def restore(saved):
+        for n, values in saved.items():
+            for f, v in zip(fields, values):
+                setattr(n, f, v)
+
+    before = state()
+    got = native(*args)
+    after_native = state()
+    restore(before)
+    want = python(*args)
+    after_python = state()
+    restore(before)
+    return got, want, after_native, after_python
+
+
 def test_native_match_ref_is_the_python_loop(native_node, make_manager):
     """``match_ref`` in C must do exactly what ``match_ref_py`` does: the same
     nodes, counts, LRU unlistings and block ids, and the same refs and LRU keys
     left on every node, on trees that a random workload left in every tier."""
-    import random
-
     from conftest import toks
 
     from kvcached.hashing import block_hashes
     from kvcached.manager import match_ref_py
     from kvcached.tree import native_match_ref
-    rng = random.Random(5)
     mgr = make_manager(num_gpu_blocks=10, num_cpu_blocks=12)
-    tree, held, seen = mgr.tree, [], set()
-
-    def state():
-        return {n: (n.ref, n.gpu_key, n.cpu_key) for n in tree.walk()}
-
-    def restore(saved):
-        for n, (ref, gpu_key, cpu_key) in saved.items():
-            n.ref, n.gpu_key, n.cpu_key = ref, gpu_key, cpu_key
-
-    for i in range(300):
-        prompt = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))], tail=1)
-        try:
-            a = mgr.allocate(i, prompt)
-        except Exception:  # NoFreeBlocks: running requests hold the GPU
-            mgr.free(held.pop(0)) if held else None
-            continue
-        a.wait()
-        mgr.commit(i, prompt, len(prompt))
-        held.append(i)
-        if len(held) > rng.randrange(1, 4):
-            mgr.free(held.pop(0))
+    seen = set()
+    for i, rng, _ in running_workload(mgr, seed=5):
         probe = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))])
         hashes = block_hashes(mgr._ns, probe, 4)
         for limit in (len(hashes), rng.randrange(len(hashes) + 1)):
-            before = state()
-            got = native_match_ref(tree.root, hashes, limit, Tier.GPU, Tier.CPU)
-            after_native = state()
-            restore(before)
-            want = match_ref_py(tree.root, hashes, limit, Tier.GPU, Tier.CPU)
-            after_py = state()
-            restore(before)
+            got, want, after_native, after_py = compare_native(
+                mgr, ("ref", "gpu_key", "cpu_key"), native_match_ref, match_ref_py,
+                mgr.tree.root, hashes, limit, Tier.GPU, Tier.CPU)
             assert got == want and after_native == after_py, (i, limit)
             nodes, n_gpu, _, gpu_unlisted, cpu_unlisted, _ = want
             seen.update(k for k, hit in (("gpu", n_gpu), ("cpu", len(nodes) - n_gpu),
@@ -292,46 +313,18 @@ def test_native_unref_path_is_the_python_loop(native_node, make_manager):
     refs and access times left on every node, the same idle count and the same
     nodes to refresh, on paths a random workload left in every tier and with
     other requests still holding some of their nodes."""
-    import random
-
-    from conftest import toks
-
     from kvcached.eviction import unref_path_py
     from kvcached.tree import native_unref_path
-    rng = random.Random(9)
     mgr = make_manager(num_gpu_blocks=10, num_cpu_blocks=12)
-    tree, held, seen = mgr.tree, [], set()
-
-    def state():
-        return {n: (n.ref, n.last_access) for n in tree.walk()}
-
-    def restore(saved):
-        for n, (ref, last_access) in saved.items():
-            n.ref, n.last_access = ref, last_access
-
-    for i in range(300):
-        prompt = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))], tail=1)
-        try:
-            a = mgr.allocate(i, prompt)
-        except Exception:  # NoFreeBlocks: running requests hold the GPU
-            mgr.free(held.pop(0)) if held else None
-            continue
-        a.wait()
-        mgr.commit(i, prompt, len(prompt))
-        held.append(i)
+    seen = set()
+    for i, _, held in running_workload(mgr, seed=9):
         path = mgr._reqs[held[0]].nodes  # a running request's path, as free() passes it
-        before = state()
-        got = native_unref_path(path, 10_000 + i, Tier.GPU)
-        after_native = state()
-        restore(before)
-        want = unref_path_py(path, 10_000 + i, Tier.GPU)
-        after_py = state()
-        restore(before)
+        got, want, after_native, after_py = compare_native(
+            mgr, ("ref", "last_access"), native_unref_path, unref_path_py,
+            path, 10_000 + i, Tier.GPU)
         assert got == want and after_native == after_py, i
         seen.update(k for k, hit in (("idle", want[0]), ("changed", want[1]),
                                      ("held", any(n.ref > 1 for n in path))) if hit)
-        if len(held) > rng.randrange(1, 4):
-            mgr.free(held.pop(0))
     mgr.check_invariants()
     assert seen == {"idle", "changed", "held"}
 
