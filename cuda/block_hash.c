@@ -609,120 +609,200 @@ static int tokens_to_bytes(uint8_t *out, PyObject *seq, int is_list, const int64
     return 0;
 }
 
+/* What kvcached._tree_node exports for the walk (declared there too; see
+ * set_node_api): native nodes are read directly, not through Python calls. */
+typedef struct {
+    unsigned version, size;
+    PyTypeObject *type;
+    PyObject *(*memo_child)(PyObject *node, uint64_t key, int *err); /* borrowed */
+    PyObject *(*input)(PyObject *node);                              /* borrowed */
+    PyObject *(*hash)(PyObject *node);                               /* borrowed */
+    PyObject *(*mkey)(PyObject *node);                               /* borrowed */
+} kvc_node_api;
+
+static const kvc_node_api *node_api; /* NULL until set_node_api */
+
+static inline int is_native_node(PyObject *o) {
+    return node_api != NULL && Py_IS_TYPE(o, node_api->type);
+}
+
+/* The memo key of a block input (parent hash ‖ extra ‖ tokens): of what
+ * follows the parent hash. The walk already stands on the parent, so the
+ * block's own bytes pick the child, and every block's key can be computed
+ * before the walk, in one streaming pass over the tokens. */
+static uint64_t input_key(const uint8_t *in, size_t n) {
+    return n >= DIGEST ? memo_key_of(in + DIGEST, n - DIGEST) : memo_key_of(in, n);
+}
+
 /* The candidate node for `key` (a new reference, or NULL: none, or an error):
  * from a flat dict memo, or the child of the walk position `pos` (a tree
- * node, asked with memo_child; NULL once the walk left the tree). */
-static PyObject *memo_candidate(PyObject *memo, PyObject *pos, PyObject *key) {
-    if (PyDict_Check(memo))
-        return Py_XNewRef(PyDict_GetItemWithError(memo, key));
-    if (pos == NULL)
+ * node; NULL once the walk left the tree). *key_obj is the key as an int,
+ * made here when a Python lookup needs it. */
+static PyObject *memo_candidate(PyObject *memo, PyObject *pos, uint64_t key,
+                                PyObject **key_obj) {
+    if (pos != NULL && is_native_node(pos)) {
+        int err;
+        return Py_XNewRef(node_api->memo_child(pos, key, &err));
+    }
+    if (!PyDict_Check(memo) && pos == NULL)
         return NULL;
-    PyObject *node = PyObject_CallMethodOneArg(pos, str_memo_child, key);
+    if (*key_obj == NULL && (*key_obj = PyLong_FromUnsignedLongLong(key)) == NULL)
+        return NULL;
+    if (PyDict_Check(memo))
+        return Py_XNewRef(PyDict_GetItemWithError(memo, *key_obj));
+    PyObject *node = PyObject_CallMethodOneArg(pos, str_memo_child, *key_obj);
     if (node == Py_None)
         Py_CLEAR(node);
     return node;
 }
 
-/* The memo's hash and input for buf[0:len], as new references; 0 on a miss
- * (no candidate, or a node hashed from other bytes), -1 on an error. On a hit
- * in tree mode, *pos moves to the node (the next block is one of its children). */
-static int memo_lookup(PyObject *memo, PyObject **pos, PyObject *key, const uint8_t *buf,
-                       Py_ssize_t len, PyObject **hash, PyObject **input) {
-    PyObject *node = memo_candidate(memo, *pos, key); /* held: getattr may run code */
-    if (node == NULL) return PyErr_Occurred() ? -1 : 0;
-    int found = 0;
-    PyObject *in = PyObject_GetAttr(node, str_input);
-    if (in != NULL && PyBytes_Check(in) && PyBytes_GET_SIZE(in) == len &&
-        memcmp(PyBytes_AS_STRING(in), buf, (size_t)len) == 0) {
-        PyObject *h = PyObject_GetAttr(node, str_hash);
-        if (h != NULL && PyBytes_Check(h) && PyBytes_GET_SIZE(h) == DIGEST) {
-            *hash = h;
-            *input = in;
-            in = NULL;
-            found = 1;
-        } else {
-            Py_XDECREF(h);
-        }
+/* A node's input, hash and memo key as new references (NULL where absent). */
+static void node_fields(PyObject *node, PyObject **input, PyObject **hash, PyObject **mkey) {
+    if (is_native_node(node)) {
+        *input = Py_XNewRef(node_api->input(node));
+        *hash = Py_XNewRef(node_api->hash(node));
+        *mkey = Py_XNewRef(node_api->mkey(node));
+        return;
     }
-    Py_XDECREF(in);
-    if (found && *pos != NULL)
-        Py_SETREF(*pos, node);
-    else
-        Py_DECREF(node);
-    return PyErr_Occurred() ? -1 : found;
+    *input = PyObject_GetAttr(node, str_input);
+    *hash = *input == NULL ? NULL : PyObject_GetAttr(node, str_hash);
+    *mkey = NULL; /* a Python node's key is not trusted to be the int: make our own */
 }
 
-/* One block: its input in buf[0:len]; the hash, input and key appended at i. */
-static int memo_block(PyObject *memo, PyObject **pos, const uint8_t *buf, Py_ssize_t len,
-                      PyObject *hashes, PyObject *inputs, PyObject *keys, Py_ssize_t i) {
-    PyObject *key = PyLong_FromUnsignedLongLong(memo_key_of(buf, (size_t)len));
-    if (key == NULL) return -1;
-    PyList_SET_ITEM(keys, i, key);
-    PyObject *h = NULL, *in = NULL;
-    int found = memo_lookup(memo, pos, key, buf, len, &h, &in);
-    if (found < 0) return -1;
-    if (!found) {
-        Py_CLEAR(*pos); /* off the tree: no later block can be in it */
-        uint8_t digest[DIGEST];
-        b2b_state s;
-        b2b_init(&s);
-        b2b_update(&s, buf, (size_t)len);
-        b2b_final(&s, digest);
-        h = PyBytes_FromStringAndSize((const char *)digest, DIGEST);
-        in = PyBytes_FromStringAndSize((const char *)buf, len);
-        if (h == NULL || in == NULL) {
-            Py_XDECREF(h);
-            Py_XDECREF(in);
-            return -1;
-        }
+/* Whether `in` is the bytes prev[0:prev_len] ‖ rec[0:rec_len]. */
+static int same_input(PyObject *in, const uint8_t *prev, Py_ssize_t prev_len,
+                      const uint8_t *rec, Py_ssize_t rec_len) {
+    if (in == NULL || !PyBytes_Check(in) || PyBytes_GET_SIZE(in) != prev_len + rec_len)
+        return 0;
+    const char *p = PyBytes_AS_STRING(in);
+    return memcmp(p, prev, (size_t)prev_len) == 0 &&
+           memcmp(p + prev_len, rec, (size_t)rec_len) == 0;
+}
+
+/* Block i's hash, input and key from the memo: 1 and the three appended at i
+ * (new references taken), 0 on a miss, -1 on an error. On a hit in tree
+ * mode, *pos moves to the node (the next block is one of its children). */
+static int memo_hit(PyObject *memo, PyObject **pos, uint64_t key, const uint8_t *prev,
+                    Py_ssize_t prev_len, const uint8_t *rec, Py_ssize_t rec_len,
+                    PyObject *out[3], Py_ssize_t i) {
+    PyObject *key_obj = NULL, *in = NULL, *h = NULL, *mkey = NULL;
+    PyObject *node = memo_candidate(memo, *pos, key, &key_obj);
+    int found = 0;
+    if (node != NULL) {
+        node_fields(node, &in, &h, &mkey);
+        found = same_input(in, prev, prev_len, rec, rec_len) && h != NULL &&
+                PyBytes_Check(h) && PyBytes_GET_SIZE(h) == DIGEST;
     }
-    PyList_SET_ITEM(hashes, i, h);
-    PyList_SET_ITEM(inputs, i, in);
+    if (found && (mkey == NULL || !PyLong_CheckExact(mkey))) {
+        Py_XSETREF(mkey, key_obj != NULL ? Py_NewRef(key_obj) : PyLong_FromUnsignedLongLong(key));
+        found = mkey != NULL;
+    }
+    Py_XDECREF(key_obj);
+    if (found) {
+        PyList_SET_ITEM(out[0], i, h);
+        PyList_SET_ITEM(out[1], i, in);
+        PyList_SET_ITEM(out[2], i, mkey);
+        if (*pos != NULL)
+            Py_SETREF(*pos, node);
+        else
+            Py_DECREF(node);
+        return 1;
+    }
+    Py_XDECREF(in);
+    Py_XDECREF(h);
+    Py_XDECREF(mkey);
+    Py_XDECREF(node);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Block i hashed: its input (prev ‖ rec), BLAKE2b of it and its key. */
+static int hash_block(uint64_t key, const uint8_t *prev, Py_ssize_t prev_len, const uint8_t *rec,
+                      Py_ssize_t rec_len, PyObject *out[3], Py_ssize_t i) {
+    PyObject *in = PyBytes_FromStringAndSize(NULL, prev_len + rec_len);
+    if (in == NULL) return -1;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(in);
+    memcpy(p, prev, (size_t)prev_len);
+    memcpy(p + prev_len, rec, (size_t)rec_len);
+    uint8_t digest[DIGEST];
+    b2b_state s;
+    b2b_init(&s);
+    b2b_update(&s, p, (size_t)(prev_len + rec_len));
+    b2b_final(&s, digest);
+    PyObject *h = PyBytes_FromStringAndSize((const char *)digest, DIGEST);
+    PyObject *k = PyLong_FromUnsignedLongLong(key);
+    if (h == NULL || k == NULL) {
+        Py_DECREF(in);
+        Py_XDECREF(h);
+        Py_XDECREF(k);
+        return -1;
+    }
+    PyList_SET_ITEM(out[0], i, h);
+    PyList_SET_ITEM(out[1], i, in);
+    PyList_SET_ITEM(out[2], i, k);
     return 0;
 }
 
+/* Two passes. First every block's record (extra ‖ tokens as int64) and key:
+ * a streaming read of the token objects, whose cache misses overlap. Then
+ * the walk: per block one child lookup and one compare against the node's
+ * input, the only pointer chasing left; after the first miss, BLAKE2b. */
 static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObject *seq,
                                  const int64_t *arr, Py_ssize_t block_size,
                                  const uint8_t *extra, Py_ssize_t extra_len, Py_ssize_t start,
                                  Py_ssize_t stop, PyObject *memo) {
     int is_list = seq != NULL && PyList_Check(seq);
-    Py_ssize_t n = stop - start;
-    Py_ssize_t head = parent_len > DIGEST ? parent_len : DIGEST;
+    Py_ssize_t n = stop - start, rec_len = extra_len + 8 * block_size;
     /* tree mode: the walk position (None: no memo; a dict: flat, no position) */
     PyObject *pos = PyDict_Check(memo) || memo == Py_None ? NULL : Py_NewRef(memo);
-    uint8_t *buf = PyMem_Malloc((size_t)(head + extra_len + 8 * block_size));
-    PyObject *hashes = PyList_New(n), *inputs = PyList_New(n), *keys = PyList_New(n);
-    if (buf == NULL || hashes == NULL || inputs == NULL || keys == NULL) {
-        if (buf == NULL) PyErr_NoMemory();
+    int use_memo = memo != Py_None;
+    uint8_t *recs = PyMem_Malloc((size_t)(n * rec_len) + 1);
+    uint64_t *keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    PyObject *out[3] = {PyList_New(n), PyList_New(n), PyList_New(n)};
+    if (recs == NULL || keys == NULL || !out[0] || !out[1] || !out[2]) {
+        if (recs == NULL || keys == NULL) PyErr_NoMemory();
         goto fail;
+    }
+    for (Py_ssize_t b = 0; b < n; b++) {
+        uint8_t *rec = recs + b * rec_len;
+        memcpy(rec, extra, (size_t)extra_len);
+        Py_ssize_t lo = (start + b) * block_size;
+        if (tokens_to_bytes(rec + extra_len, seq, is_list, arr, lo, lo + block_size) < 0)
+            goto fail;
+        keys[b] = memo_key_of(rec, (size_t)rec_len);
     }
     const uint8_t *prev = parent;
     Py_ssize_t prev_len = parent_len;
-    for (Py_ssize_t b = start; b < stop; b++) {
-        memcpy(buf, prev, (size_t)prev_len);
-        memcpy(buf + prev_len, extra, (size_t)extra_len);
-        Py_ssize_t len = prev_len + extra_len;
-        if (tokens_to_bytes(buf + len, seq, is_list, arr, b * block_size,
-                            (b + 1) * block_size) < 0)
-            goto fail;
-        len += 8 * block_size;
-        if (memo_block(memo, &pos, buf, len, hashes, inputs, keys, b - start) < 0) goto fail;
-        prev = (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(hashes, b - start));
+    for (Py_ssize_t b = 0; b < n; b++) {
+        const uint8_t *rec = recs + b * rec_len;
+        uint64_t key = keys[b];
+        if (prev_len != DIGEST) { /* an odd parent (block 0 only): key the whole input */
+            uint8_t *in = PyMem_Malloc((size_t)(prev_len + rec_len));
+            if (in == NULL) { PyErr_NoMemory(); goto fail; }
+            memcpy(in, prev, (size_t)prev_len);
+            memcpy(in + prev_len, rec, (size_t)rec_len);
+            key = input_key(in, (size_t)(prev_len + rec_len));
+            PyMem_Free(in);
+        }
+        int found = use_memo ? memo_hit(memo, &pos, key, prev, prev_len, rec, rec_len, out, b) : 0;
+        if (found < 0) goto fail;
+        if (!found) {
+            if (!PyDict_Check(memo)) use_memo = 0; /* off the tree: no later block is in it */
+            if (hash_block(key, prev, prev_len, rec, rec_len, out, b) < 0) goto fail;
+        }
+        prev = (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(out[0], b));
         prev_len = DIGEST;
     }
     Py_XDECREF(pos);
-    PyMem_Free(buf);
-    PyObject *out = PyTuple_Pack(3, hashes, inputs, keys);
-    Py_DECREF(hashes);
-    Py_DECREF(inputs);
-    Py_DECREF(keys);
-    return out;
+    PyMem_Free(recs);
+    PyMem_Free(keys);
+    PyObject *result = PyTuple_Pack(3, out[0], out[1], out[2]);
+    for (int i = 0; i < 3; i++) Py_DECREF(out[i]);
+    return result;
 fail:
     Py_XDECREF(pos);
-    PyMem_Free(buf);
-    Py_XDECREF(hashes);
-    Py_XDECREF(inputs);
-    Py_XDECREF(keys);
+    PyMem_Free(recs);
+    PyMem_Free(keys);
+    for (int i = 0; i < 3; i++) Py_XDECREF(out[i]);
     return NULL;
 }
 
@@ -877,10 +957,24 @@ static PyObject *memo_key(PyObject *self, PyObject *arg) {
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(
-        memo_key_of((const uint8_t *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg)));
+        input_key((const uint8_t *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg)));
 }
 
 /* ------------------------------------------------------- impl selection */
+
+/* set_node_api(capsule): read kvcached._tree_node's nodes directly in the walk. */
+static PyObject *set_node_api(PyObject *self, PyObject *capsule) {
+    (void)self;
+    const kvc_node_api *api = PyCapsule_GetPointer(capsule, "kvcached._tree_node.node_api");
+    if (api == NULL) return NULL;
+    if (api->version != 1 || api->size != sizeof(kvc_node_api)) {
+        PyErr_Format(PyExc_ValueError, "node_api version %u size %u, expected 1 and %zu",
+                     api->version, api->size, sizeof(kvc_node_api));
+        return NULL;
+    }
+    node_api = api;
+    Py_RETURN_NONE;
+}
 
 static const impl_entry *find_impl(const char *name) {
     for (int i = 0; i < N_IMPLS; i++) {
@@ -949,7 +1043,9 @@ static PyMethodDef methods[] = {
      "(memo[key].input) holds: memo[key].hash. inputs[i] are the bytes block i was hashed "
      "from, keys[i] their memo key."},
     {"memo_key", memo_key, METH_O, "memo_key(input: bytes) -> int: the memo key of a block "
-     "input (process-local)."},
+     "input (of what follows its 16-byte parent hash; process-local)."},
+    {"set_node_api", set_node_api, METH_O, "set_node_api(kvcached._tree_node.node_api): read "
+     "native tree nodes directly in chain_memo's walk (the capsule is kept by its module)."},
     {"impl", impl, METH_NOARGS, "impl() -> str: the BLAKE2b compress in use "
      "('avx512', 'avx2' or 'portable')."},
     {"impls", impls, METH_NOARGS, "impls() -> tuple[str, ...]: the ones this CPU runs, best "

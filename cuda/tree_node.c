@@ -26,6 +26,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <structmember.h>
 
 typedef struct {
@@ -33,6 +34,8 @@ typedef struct {
     PyObject *hash, *parent, *children, *state, *gpu, *cpu, *in_storage, *ref, *last_access,
         *depth, *n_gpu_children, *n_cpu_children, *busy, *gpu_key, *cpu_key, *input, *mkey;
     PyObject *bykey; /* where children is a dict: memo key -> child (see memo_child) */
+    uint64_t mkey_raw; /* mkey as a C integer when has_mkey: the walk compares it unboxed */
+    int has_mkey;
 } Node;
 
 static PyTypeObject NodeType;
@@ -56,7 +59,6 @@ static PyMemberDef node_members[] = {
     MEMBER(gpu_key, "live key in the GPU LRU, or None"),
     MEMBER(cpu_key, "live key in the CPU LRU, or None"),
     MEMBER(input, "the bytes hashed into hash (the memo), or None"),
-    MEMBER(mkey, "memo key while in the tree, or None"),
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -91,6 +93,7 @@ static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->cpu_key = Py_NewRef(Py_None);
     self->input = Py_NewRef(Py_None);
     self->mkey = Py_NewRef(Py_None);
+    self->has_mkey = 0;
     return (PyObject *)self;
 }
 
@@ -225,22 +228,39 @@ static int unindex_key(Node *self, PyObject *child) {
     return there == child ? PyDict_DelItem(self->bykey, key) : 0;
 }
 
-/* The child whose memo key (mkey) is `key`, or None: the hash memo's walk
- * (cuda/block_hash.c, chain_memo) asks each block's node for the next one. */
-static PyObject *node_memo_child(PyObject *op, PyObject *key) {
+/* The child whose memo key (mkey) is `key` (borrowed), or NULL: none, or an
+ * error (-1 in *err). The hash memo's walk (cuda/block_hash.c, chain_memo)
+ * asks each block's node for the next one, through the capsule below: a
+ * chain link compares the unboxed key, only a branching node makes an int. */
+static PyObject *memo_child_raw(PyObject *op, uint64_t key, int *err) {
     Node *self = (Node *)op;
     PyObject *c = self->children;
-    if (is_node(c)) {
-        PyObject *mkey = ((Node *)c)->mkey;
-        int eq = mkey == NULL || mkey == Py_None ? 0 : PyObject_RichCompareBool(mkey, key, Py_EQ);
-        if (eq < 0)
-            return NULL;
-        return Py_NewRef(eq ? c : Py_None);
-    }
+    *err = 0;
+    if (is_node(c))
+        return ((Node *)c)->has_mkey && ((Node *)c)->mkey_raw == key ? c : NULL;
     if (c == NULL || self->bykey == NULL)
-        Py_RETURN_NONE;
-    PyObject *found = PyDict_GetItemWithError(self->bykey, key);
+        return NULL;
+    PyObject *k = PyLong_FromUnsignedLongLong(key);
+    PyObject *found = k == NULL ? NULL : PyDict_GetItemWithError(self->bykey, k);
+    Py_XDECREF(k);
     if (found == NULL && PyErr_Occurred())
+        *err = -1;
+    return found;
+}
+
+/* The same for Python (tests, the invariant check): None when there is none. */
+static PyObject *node_memo_child(PyObject *op, PyObject *key) {
+    uint64_t k = PyLong_AsUnsignedLongLong(key);
+    if (k == (uint64_t)-1 && PyErr_Occurred()) { /* not a memo key: nothing is under it */
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError) &&
+            !PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int err;
+    PyObject *found = memo_child_raw(op, k, &err);
+    if (err < 0)
         return NULL;
     return Py_NewRef(found ? found : Py_None);
 }
@@ -353,8 +373,41 @@ static PyMethodDef node_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *node_get_mkey(PyObject *op, void *closure) {
+    PyObject *v = ((Node *)op)->mkey;
+    if (v == NULL)
+        PyErr_SetString(PyExc_AttributeError, "mkey");
+    return Py_XNewRef(v);
+}
+
+/* None, or an int in [0, 2**64): kept boxed (bykey, Python) and unboxed (the walk). */
+static int node_set_mkey(PyObject *op, PyObject *value, void *closure) {
+    Node *self = (Node *)op;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "mkey cannot be deleted; set it to None");
+        return -1;
+    }
+    uint64_t raw = 0;
+    if (value != Py_None) {
+        if (!PyLong_Check(value)) {
+            PyErr_Format(PyExc_TypeError, "mkey must be an int or None, got %.100s",
+                         Py_TYPE(value)->tp_name);
+            return -1;
+        }
+        raw = PyLong_AsUnsignedLongLong(value);
+        if (raw == (uint64_t)-1 && PyErr_Occurred())
+            return -1;
+    }
+    Py_XSETREF(self->mkey, Py_NewRef(value));
+    self->mkey_raw = raw;
+    self->has_mkey = value != Py_None;
+    return 0;
+}
+
 static PyGetSetDef node_getset[] = {
     {"n_children", node_n_children, NULL, "how many children the node has", NULL},
+    {"mkey", node_get_mkey, node_set_mkey, "memo key while in the tree (an int), or None",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -594,6 +647,25 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* What cuda/block_hash.c's memo walk uses, without a Python call per block.
+ * The same struct is declared there; version and size guard against a
+ * mismatch (both files are built from one checkout, but loaded separately). */
+typedef struct {
+    unsigned version, size;
+    PyTypeObject *type;
+    PyObject *(*memo_child)(PyObject *node, uint64_t key, int *err); /* borrowed */
+    PyObject *(*input)(PyObject *node);                              /* borrowed */
+    PyObject *(*hash)(PyObject *node);                               /* borrowed */
+    PyObject *(*mkey)(PyObject *node);                               /* borrowed */
+} kvc_node_api;
+
+static PyObject *api_input(PyObject *n) { return ((Node *)n)->input; }
+static PyObject *api_hash(PyObject *n) { return ((Node *)n)->hash; }
+static PyObject *api_mkey(PyObject *n) { return ((Node *)n)->mkey; }
+
+static kvc_node_api node_api = {1, sizeof(kvc_node_api), &NodeType, memo_child_raw,
+                                api_input, api_hash, api_mkey};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_tree_node", "kvcached's prefix-tree node type.", -1, methods,
 };
@@ -604,7 +676,10 @@ PyMODINIT_FUNC PyInit__tree_node(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0) {
+    PyObject *api = PyCapsule_New(&node_api, "kvcached._tree_node.node_api", NULL);
+    if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0 || api == NULL ||
+        PyModule_AddObject(m, "node_api", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;
     }

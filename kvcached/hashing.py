@@ -166,6 +166,7 @@ def _token_array(token_ids: Sequence[int], lo: int, hi: int) -> np.ndarray:
 _UNTRIED = object()
 _native: ModuleType | None | object = _UNTRIED  # the extension, None (Python path), or untried
 _native_error: str | None = None  # why the Python path is used
+_node_api: object | None = None  # kvcached._tree_node's capsule (register_node_api)
 _native_lock = threading.Lock()
 
 
@@ -177,7 +178,19 @@ def load_native() -> ModuleType | None:
         if _native is _UNTRIED:
             _native, _native_error = _native_build().try_import_extension(
                 NATIVE_MODULE, NATIVE_SOURCE, "kvc_block_hash", "native block hashing")
+            if _native is not None and _node_api is not None:
+                _native.set_node_api(_node_api)
         return _native  # type: ignore[return-value]
+
+
+def register_node_api(capsule: object) -> None:
+    """kvcached.tree's native node type, for ``chain_memo``'s walk to read its
+    nodes directly instead of through a Python call per block."""
+    global _node_api
+    with _native_lock:
+        _node_api = capsule
+        if isinstance(_native, ModuleType):
+            _native.set_node_api(capsule)
 
 
 def native_error() -> str | None:

@@ -113,6 +113,8 @@ def _native_module() -> tuple[ModuleType | None, str | None]:
         "kvcached._tree_node", source, "kvc_tree_node", "native tree nodes")
     if mod is not None:
         mod.set_default_state(Tier.STORAGE)
+        from kvcached import hashing
+        hashing.register_node_api(mod.node_api)  # the memo walk reads these nodes directly
     return mod, why
 
 

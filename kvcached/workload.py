@@ -130,20 +130,22 @@ def replay(mgr, requests: Iterable[ChatRequest],
 
     Per request: ``allocate(prompt, reserve_tokens=len(output))``, ``wait()``,
     ``commit(prompt + output)`` with every token computed, ``free``. A request
-    that gets NoFreeBlocks is counted as rejected and skipped. Returns counts
-    and per-operation wall times in microseconds (allocate includes the wait
-    for swap-ins); ``on_progress(done, result_so_far)`` runs after each
-    request, outside the timed calls.
+    that gets NoFreeBlocks is counted as rejected and skipped. Returns counts,
+    per-operation wall times in microseconds (allocate includes the wait for
+    swap-ins) and the process CPU time of the calls (``cpu_s``);
+    ``on_progress(done, result_so_far)`` runs after each request, outside the
+    timed calls.
     """
     res = {"requests": 0, "served": 0, "rejected": 0, "prompt_tokens": 0,
            "prompt_blocks": 0, "hit_tokens": {"gpu": 0, "cpu": 0, "storage": 0},
-           "allocate_us": [], "commit_us": [], "free_us": [], "total_s": 0.0}
+           "allocate_us": [], "commit_us": [], "free_us": [], "cpu_s": 0.0, "total_s": 0.0}
     bs = mgr.block_size
-    clock = time.perf_counter
+    clock, cpu = time.perf_counter, time.process_time
     start = clock()
     for req in requests:
         res["requests"] += 1
         tokens = req.prompt + req.output  # the engine's token list: not manager time
+        c0 = cpu()
         t0 = clock()
         try:
             a = mgr.allocate(req.request_id, req.prompt, reserve_tokens=len(req.output))
@@ -157,6 +159,7 @@ def replay(mgr, requests: Iterable[ChatRequest],
             mgr.free(req.request_id)
             t3 = clock()
             _record(res, req, a, bs, (t1 - t0, t2 - t1, t3 - t2))
+        res["cpu_s"] += cpu() - c0
         if on_progress is not None:
             on_progress(res["requests"], res)
     res["total_s"] = clock() - start

@@ -38,7 +38,9 @@ import gc
 import statistics
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
+import _fastdeploy_baseline as fastdeploy
 from _bench_util import Progress, emit, log, percentile, short_tmp_dir
 
 from kvcached import CacheConfig
@@ -54,7 +56,7 @@ TINY = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="bfloat16", mla=True
 CHAT = dict(num_system_prompts=4, system_tokens=4864, turn_tokens=(256, 1024),
             output_tokens=(128, 512), max_turns=24, concurrent_conversations=32)
 TARGET_RATIO = 1.5
-FASTDEPLOY_US_PER_BLOCK = (5.0, 15.0)  # measured on this machine, for the report
+FASTDEPLOY_US_PER_BLOCK = (5.0, 15.0)  # quoted for this machine (issue 2)
 SPEED_TARGET_TIMES = 10.0  # an order of magnitude cheaper per block
 
 
@@ -79,6 +81,13 @@ def bench_chat(tmp, requests: int, gpu_blocks: int, cpu_blocks: int, seed: int) 
             gc.unfreeze()
         mgr.check_invariants()
         st = mgr.stats()
+    return {**summarize(res, gpu_blocks, cpu_blocks), "evictions": st.evictions,
+            "wall_s": res["total_s"]}
+
+
+def summarize(res: dict, gpu_blocks: int, cpu_blocks: int) -> dict:
+    """A replay's numbers per request and per prompt block (``workload.replay``'s
+    result, or the FastDeploy baseline's)."""
     per_req = [a + c + f for a, c, f in zip(res["allocate_us"], res["commit_us"],
                                            res["free_us"])]
     total_us = sum(per_req)
@@ -92,10 +101,26 @@ def bench_chat(tmp, requests: int, gpu_blocks: int, cpu_blocks: int, seed: int) 
         "p50_us_by_op": {op: percentile(res[f"{op}_us"], 0.5)
                          for op in ("allocate", "commit", "free")},
         "us_per_block": total_us / res["prompt_blocks"],
+        "cpu_us_per_block": res["cpu_s"] * 1e6 / res["prompt_blocks"],
         "hit_rate": {t: res["hit_tokens"][t] / tokens for t in ("gpu", "cpu")},
-        "evictions": st.evictions,
-        "wall_s": res["total_s"],
     }
+
+
+def bench_fastdeploy(reference: Path, requests: int, gpu_blocks: int, cpu_blocks: int,
+                     seed: int) -> dict:
+    """The same replay through FastDeploy's manager (scripts/_fastdeploy_baseline.py)."""
+    log(f"FastDeploy baseline: {requests} requests, {gpu_blocks} GPU + {cpu_blocks} CPU blocks")
+    fdm = fastdeploy.make(fastdeploy.load(reference), gpu_blocks, cpu_blocks)
+    reqs = iter_chat_workload(requests, seed=seed, **CHAT)
+    gc.collect()
+    gc.freeze()
+    try:
+        res = fastdeploy.replay(fdm, reqs, BLOCK_SIZE,
+                                on_progress=Progress("FastDeploy replay", requests))
+    finally:
+        gc.unfreeze()
+    return {**summarize(res, gpu_blocks, cpu_blocks), "poll_sleeps": res["poll_sleeps"],
+            "poll_s": res["poll_s"]}
 
 
 # --------------------------------------------------------------- eviction
@@ -233,35 +258,63 @@ def main() -> None:
                     help="cached blocks for the eviction phase")
     ap.add_argument("--chain", type=int, default=4, help="blocks per cached chain")
     ap.add_argument("--chunk", type=int, default=256, help="blocks per evicting allocation")
+    ap.add_argument("--fastdeploy", type=Path, default=fastdeploy.REFERENCE,
+                    help="FastDeploy's prefix_cache_manager.py to replay as the baseline "
+                         "(default: shared/reference's copy; skipped if absent)")
+    ap.add_argument("--no-fastdeploy", action="store_true", help="skip the baseline")
     args = ap.parse_args()
     requests = args.requests or (600 if args.quick else 3000)
     rounds = 3 if args.quick else 7
     sizes = [int(s) for s in args.sizes.split(",")]
+    baseline = None if args.no_fastdeploy else args.fastdeploy
+    if baseline is not None and not baseline.is_file():
+        log(f"no FastDeploy baseline: {baseline} not found (--fastdeploy PATH)")
+        baseline = None
+    # The same replay with a GPU tier that holds the working set: the
+    # bookkeeping floor (hash, match, ref, commit, free) without tier churn.
+    scenarios = {"chat": (args.gpu_blocks, args.cpu_blocks),
+                 "chat_gpu_resident": (8 * args.gpu_blocks, 0)}
+    runs, fd_runs = {}, {}
     t0 = time.perf_counter()
     with short_tmp_dir("kvbm-") as tmp:
-        chat = bench_chat(tmp, requests, args.gpu_blocks, args.cpu_blocks, args.seed)
-        log(f"chat: {chat['us_per_block']:.2f} us/block, p50 {chat['p50_us']:.0f} us, "
-            f"hits {chat['hit_rate']}")
-        # The same replay with a GPU tier that holds the working set: the
-        # bookkeeping floor (hash, match, ref, commit, free) without tier churn.
-        resident = bench_chat(tmp / "resident", requests, 8 * args.gpu_blocks, 0, args.seed)
-        log(f"chat, GPU-resident: {resident['us_per_block']:.2f} us/block")
+        for name, (gpu, cpu) in scenarios.items():
+            runs[name] = bench_chat(tmp / name, requests, gpu, cpu, args.seed)
+            log(f"{name}: {runs[name]['us_per_block']:.2f} us/block, "
+                f"p50 {runs[name]['p50_us']:.0f} us, hits {runs[name]['hit_rate']}")
+            if baseline is not None:
+                fd_runs[name] = bench_fastdeploy(baseline, requests, gpu, cpu, args.seed)
+                log(f"{name}, FastDeploy: {fd_runs[name]['us_per_block']:.2f} us/block")
         eviction = bench_eviction(tmp, sizes, 10_000, rounds, args.chain, args.chunk)
-    emit({"bench": "manager", "quick": args.quick, "block_size": BLOCK_SIZE,
-          "chat": chat, "chat_gpu_resident": resident, "eviction": eviction,
-          **speed_vs_fastdeploy({"chat": chat, "chat_gpu_resident": resident}),
+    emit({"bench": "manager", "quick": args.quick, "block_size": BLOCK_SIZE, **runs,
+          "eviction": eviction, "fastdeploy": fd_runs, **speed_vs_fastdeploy(runs, fd_runs),
           "total_s": time.perf_counter() - t0})
 
 
-def speed_vs_fastdeploy(runs: dict[str, dict]) -> dict:
-    """How many times cheaper per block than FastDeploy's 5-15 us, per scenario;
-    the target (an order of magnitude) is met only if it holds against 5 us too."""
+def speed_vs_fastdeploy(runs: dict[str, dict], fd_runs: dict[str, dict]) -> dict:
+    """How many times cheaper per block than FastDeploy, per scenario.
+
+    Measured: against FastDeploy's manager replaying the same requests in this
+    process, by wall time (what the engine's scheduler waits; FastDeploy's
+    includes its 1 ms polls) and by CPU time (no sleeps; its eviction thread's
+    work counted). The target (an order of magnitude) counts as met only if
+    both hold in every scenario. Without the baseline, against the 5-15 us
+    per block quoted for FastDeploy on this machine (against 5 us).
+    """
     lo, hi = FASTDEPLOY_US_PER_BLOCK
-    times = {name: [round(lo / r["us_per_block"], 2), round(hi / r["us_per_block"], 2)]
-             for name, r in runs.items()}
-    return {"fastdeploy_us_per_block": [lo, hi], "times_cheaper_than_fastdeploy": times,
-            "speed_target_times": SPEED_TARGET_TIMES,
-            "meets_speed_target": all(t[0] >= SPEED_TARGET_TIMES for t in times.values())}
+    quoted = {name: [round(lo / r["us_per_block"], 2), round(hi / r["us_per_block"], 2)]
+              for name, r in runs.items()}
+    out = {"fastdeploy_quoted_us_per_block": [lo, hi], "times_cheaper_than_quoted": quoted,
+           "speed_target_times": SPEED_TARGET_TIMES}
+    if fd_runs:
+        measured = {name: {"wall": fd["us_per_block"] / runs[name]["us_per_block"],
+                           "cpu": fd["cpu_us_per_block"] / runs[name]["cpu_us_per_block"]}
+                    for name, fd in fd_runs.items()}
+        out["times_cheaper_than_fastdeploy"] = measured
+        out["meets_speed_target"] = all(min(m.values()) >= SPEED_TARGET_TIMES
+                                        for m in measured.values())
+    else:
+        out["meets_speed_target"] = all(t[0] >= SPEED_TARGET_TIMES for t in quoted.values())
+    return out
 
 
 if __name__ == "__main__":

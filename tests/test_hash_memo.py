@@ -188,6 +188,100 @@ def test_the_walk_takes_only_its_own_branch(native):
     assert got[0] == hashes[2:] and all(a is b for a, b in zip(got[1], inputs[2:]))
 
 
+class Proxy:
+    """A tree node seen only through Python attributes: the walk's generic path."""
+
+    def __init__(self, node):
+        self._node = node
+        self.input, self.hash, self.mkey = node.input, node.hash, node.mkey
+
+    def memo_child(self, key):
+        child = self._node.memo_child(key)
+        return None if child is None else Proxy(child)
+
+
+def native_tree(n_chains: int, blocks: int, seed: int):
+    import kvcached.tree as tree_mod
+    if tree_mod.native_node_error is not None:
+        pytest.skip("tree-mode memo needs native nodes")
+    tree = tree_mod.BlockTree()
+    prompts = []
+    shared = tokens(seed, 2 * BS)  # every chain shares two blocks: the root branches below them
+    for c in range(n_chains):
+        toks = shared + tokens(seed + 1 + c, (blocks - 2) * BS)
+        hashes, inputs, keys = block_hashes_memo(NS, toks, BS, None, None)
+        node = tree.root
+        for h, x, k in zip(hashes, inputs, keys):
+            node = node.child(h) or tree.add_child(node, h, x, k)
+        prompts.append(toks)
+    return tree, prompts
+
+
+def test_native_nodes_are_read_directly_with_the_same_results(native):
+    """kvcached.tree hands its node type to the hashing extension (a capsule),
+    and the walk then reads native nodes' fields in C: it must agree exactly
+    with the generic path, which asks a node through Python attributes."""
+    tree, prompts = native_tree(5, 6, seed=30)
+    assert hashing._node_api is not None
+    for toks in prompts + [prompts[0][:3 * BS] + tokens(40, 3 * BS)]:
+        fast = block_hashes_memo(NS, toks, BS, None, tree.root)
+        slow = block_hashes_memo(NS, toks, BS, None, Proxy(tree.root))
+        assert fast[0] == slow[0] == block_hashes(NS, toks, BS)
+        assert fast[1] == slow[1] and fast[2] == slow[2]
+    # a hit hands back the node's own input and key objects
+    node, toks = tree.root, prompts[1]
+    got = block_hashes_memo(NS, toks, BS, None, tree.root)
+    for x, k, h in zip(got[1], got[2], got[0]):
+        node = node.child(h)
+        assert x is node.input and k is node.mkey
+
+
+def test_the_memo_key_leaves_out_the_parent_hash(native):
+    """The walk stands on the parent already, so a key covers only the block's
+    own bytes: equal tokens under two parents share a key, and only the exact
+    input compare tells them apart (a flat memo then misses, never mixes)."""
+    toks = tokens(50, 2 * BS)
+    a = block_hashes_memo(NS, toks, BS, None, None)
+    other = namespace_hash("model", "w2")
+    b = block_hashes_memo(other, toks, BS, None, None)
+    assert a[2][0] == b[2][0] and a[1][0][16:] == b[1][0][16:] and a[0][0] != b[0][0]
+    assert native.memo_key(a[1][0]) == native.memo_key(b[1][0])
+    memo: dict = {}
+    remember(memo, a)
+    assert block_hashes_memo(other, toks, BS, None, memo)[0] == block_hashes(other, toks, BS)
+    # a parent of another length (a caller's own bytes) keys its first block
+    # over what follows the first 16 input bytes, like memo_key does
+    long_parent = b"p" * 40
+    got = block_hashes_memo(long_parent, toks, BS, None, None)
+    assert got[0] == block_hashes(long_parent, toks, BS)
+    assert got[2] == [native.memo_key(x) for x in got[1]]
+
+
+def test_native_memo_keys_are_checked(native):
+    import kvcached.tree as tree_mod
+    if tree_mod.native_node_error is not None:
+        pytest.skip("native nodes only")
+    n = tree_mod.Node(b"h", None, 0)
+    assert n.mkey is None
+    n.mkey = 2**61 - 1
+    assert n.mkey == 2**61 - 1
+    for bad, err in (("1", TypeError), (-1, OverflowError), (2**64, OverflowError)):
+        with pytest.raises(err):
+            n.mkey = bad
+        assert n.mkey == 2**61 - 1  # unchanged
+    with pytest.raises(AttributeError):
+        del n.mkey
+    n.mkey = None
+    assert n.mkey is None
+    parent = tree_mod.Node(b"p", None, 0)
+    parent.link_child(b"h", n)
+    assert parent.memo_child(7) is None  # the child has no key: not in the memo
+    n.mkey = 7
+    assert parent.memo_child(7) is n
+    assert parent.memo_child(-7) is None and parent.memo_child("7") is None
+    parent.unlink_children()
+
+
 def test_manager_on_the_python_path_still_caches(monkeypatch, make_manager):
     monkeypatch.setattr(hashing, "_native", None)
     with make_manager(num_gpu_blocks=16, block_size=BS) as mgr:

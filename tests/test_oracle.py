@@ -304,6 +304,7 @@ def test_replay_counts_hits_timings_and_rejections(make_manager):
     assert seen == list(range(1, 122))
     assert res["requests"] == 121 and res["rejected"] == 1 and res["served"] == 120
     assert len(res["allocate_us"]) == len(res["commit_us"]) == len(res["free_us"]) == 120
+    assert 0 < res["cpu_s"] < res["total_s"] * 2  # one thread, give or take clock grain
     assert res["prompt_tokens"] == sum(len(r.prompt) for r in reqs[:-1])
     st = mgr.stats()
     assert res["hit_tokens"]["gpu"] == st.hit_tokens["gpu"] > 0
