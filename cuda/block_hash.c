@@ -21,9 +21,15 @@
  *   chain(parent: bytes, tokens, block_size: int, extra: bytes,
  *         start: int, stop: int) -> list[bytes]
  *   chain_memo(parent, tokens, block_size, extra, start, stop, memo)
- *       -> (hashes, inputs, keys)   chain() reusing the hashes of inputs a
- *                                   memo {key: node} holds (see "hash memo")
- *   memo_key(input: bytes) -> int   the memo key of one block input
+ *       -> (hashes, records, keys)  chain() reusing the hashes of blocks the
+ *                                   memo (a tree node, or {key: node}) holds
+ *   memo_key(record: bytes) -> int  the memo key of one block's record
+ *   set_node_api(capsule)     read kvcached._tree_node's nodes directly
+ *
+ * A block's memo record is its hash input with the token ids narrowed:
+ * parent ‖ extra ‖ ids as little-endian uint32 ‖ 0x04, or, when an id does
+ * not fit, parent ‖ extra ‖ ids as int64 ‖ 0x08. Equal records, equal hash
+ * inputs, equal hashes: a hit compares records exactly.
  *   impl() -> str             the compress in use: "avx512", "avx2", "portable"
  *   impls() -> tuple[str]     the ones this CPU runs, best first
  *   set_impl(name) -> str     switch (tests, benchmarks); returns the previous
@@ -88,6 +94,14 @@ static inline void store64_le(uint8_t *p, uint64_t v) {
 #else
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
 #endif
+}
+
+static inline uint32_t load32_le(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline void store32_le(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
 #define G(r, i, a, b, c, d)                        \
@@ -609,6 +623,55 @@ static int tokens_to_bytes(uint8_t *out, PyObject *seq, int is_list, const int64
     return 0;
 }
 
+/* A block's tokens [lo, hi) as its memo record's token part, at out: as
+ * little-endian uint32 when every id fits (every real vocabulary), else as
+ * int64 (the hash input's own form), then one byte saying which (4 or 8).
+ * Returns the bytes written, -1 with an exception set. Remembered inputs are
+ * most of the memo's memory, and reading them most of a hit's cost. */
+static Py_ssize_t tokens_to_record(uint8_t *out, PyObject *seq, int is_list, const int64_t *arr,
+                                   Py_ssize_t lo, Py_ssize_t hi) {
+    Py_ssize_t n = hi - lo;
+    uint64_t wide = 0; /* any id outside [0, 2^32) sets a high bit */
+    if (arr != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t v = (uint64_t)arr[lo + i];
+            wide |= v;
+            store32_le(out + 4 * i, (uint32_t)v);
+        }
+    } else {
+        if (hi > Py_SIZE(seq)) {
+            PyErr_SetString(PyExc_RuntimeError, "token list changed size while being hashed");
+            return -1;
+        }
+        PyObject *const *items = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t v;
+            if (!(Py_IS_TYPE(items[lo + i], &PyLong_Type) && small_long(items[lo + i], &v)) &&
+                token_slow(seq, is_list, lo + i, &v) < 0)
+                return -1;
+            wide |= (uint64_t)v;
+            store32_le(out + 4 * i, (uint32_t)v);
+        }
+    }
+    if (wide >> 32) { /* rare: keep the int64 form */
+        if (tokens_to_bytes(out, seq, is_list, arr, lo, hi) < 0) return -1;
+        out[8 * n] = 8;
+        return 8 * n + 1;
+    }
+    out[4 * n] = 4;
+    return 4 * n + 1;
+}
+
+/* n tokens of a record's token part `tok` (tokens_to_record's output, ids
+ * `width` bytes wide) as the hash input's int64s, at out. */
+static void record_tokens_to_input(uint8_t *out, const uint8_t *tok, Py_ssize_t n, int width) {
+    if (width == 4) {
+        for (Py_ssize_t i = 0; i < n; i++) store64_le(out + 8 * i, load32_le(tok + 4 * i));
+    } else {
+        memcpy(out, tok, (size_t)(8 * n));
+    }
+}
+
 /* What kvcached._tree_node exports for the walk (declared there too; see
  * set_node_api): native nodes are read directly, not through Python calls. */
 typedef struct {
@@ -715,18 +778,23 @@ static int memo_hit(PyObject *memo, PyObject **pos, uint64_t key, const uint8_t 
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* Block i hashed: its input (prev ‖ rec), BLAKE2b of it and its key. */
+/* Block i hashed: its record (prev ‖ rec, as the memo remembers it), BLAKE2b
+ * of its hash input (prev ‖ extra ‖ tokens as int64; `wide` is scratch for
+ * the tokens) and its key. */
 static int hash_block(uint64_t key, const uint8_t *prev, Py_ssize_t prev_len, const uint8_t *rec,
-                      Py_ssize_t rec_len, PyObject *out[3], Py_ssize_t i) {
+                      Py_ssize_t rec_len, Py_ssize_t extra_len, Py_ssize_t block_size,
+                      uint8_t *wide, PyObject *out[3], Py_ssize_t i) {
     PyObject *in = PyBytes_FromStringAndSize(NULL, prev_len + rec_len);
     if (in == NULL) return -1;
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(in);
     memcpy(p, prev, (size_t)prev_len);
     memcpy(p + prev_len, rec, (size_t)rec_len);
+    record_tokens_to_input(wide, rec + extra_len, block_size, rec[rec_len - 1]);
     uint8_t digest[DIGEST];
     b2b_state s;
     b2b_init(&s);
-    b2b_update(&s, p, (size_t)(prev_len + rec_len));
+    b2b_update(&s, p, (size_t)(prev_len + extra_len));
+    b2b_update(&s, wide, (size_t)(8 * block_size));
     b2b_final(&s, digest);
     PyObject *h = PyBytes_FromStringAndSize((const char *)digest, DIGEST);
     PyObject *k = PyLong_FromUnsignedLongLong(key);
@@ -742,58 +810,64 @@ static int hash_block(uint64_t key, const uint8_t *prev, Py_ssize_t prev_len, co
     return 0;
 }
 
-/* Two passes. First every block's record (extra ‖ tokens as int64) and key:
- * a streaming read of the token objects, whose cache misses overlap. Then
- * the walk: per block one child lookup and one compare against the node's
- * input, the only pointer chasing left; after the first miss, BLAKE2b. */
+/* Two passes. First every block's record part (extra ‖ tokens ‖ width, see
+ * tokens_to_record) and key: a streaming read of the token objects, whose
+ * cache misses overlap. Then the walk: per block one child lookup and one
+ * compare against the node's record, the only pointer chasing left; after
+ * the first miss, BLAKE2b. */
 static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObject *seq,
                                  const int64_t *arr, Py_ssize_t block_size,
                                  const uint8_t *extra, Py_ssize_t extra_len, Py_ssize_t start,
                                  Py_ssize_t stop, PyObject *memo) {
     int is_list = seq != NULL && PyList_Check(seq);
-    Py_ssize_t n = stop - start, rec_len = extra_len + 8 * block_size;
+    Py_ssize_t n = stop - start, stride = extra_len + 8 * block_size + 1;
     /* tree mode: the walk position (None: no memo; a dict: flat, no position) */
     PyObject *pos = PyDict_Check(memo) || memo == Py_None ? NULL : Py_NewRef(memo);
     int use_memo = memo != Py_None;
-    uint8_t *recs = PyMem_Malloc((size_t)(n * rec_len) + 1);
+    uint8_t *recs = PyMem_Malloc((size_t)(n * stride));
+    uint8_t *wide = PyMem_Malloc((size_t)(parent_len + stride));
+    Py_ssize_t *lens = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)n);
     uint64_t *keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
     PyObject *out[3] = {PyList_New(n), PyList_New(n), PyList_New(n)};
-    if (recs == NULL || keys == NULL || !out[0] || !out[1] || !out[2]) {
-        if (recs == NULL || keys == NULL) PyErr_NoMemory();
+    if (!recs || !wide || !lens || !keys || !out[0] || !out[1] || !out[2]) {
+        if (!recs || !wide || !lens || !keys) PyErr_NoMemory();
         goto fail;
     }
     for (Py_ssize_t b = 0; b < n; b++) {
-        uint8_t *rec = recs + b * rec_len;
+        uint8_t *rec = recs + b * stride;
         memcpy(rec, extra, (size_t)extra_len);
         Py_ssize_t lo = (start + b) * block_size;
-        if (tokens_to_bytes(rec + extra_len, seq, is_list, arr, lo, lo + block_size) < 0)
-            goto fail;
-        keys[b] = memo_key_of(rec, (size_t)rec_len);
+        Py_ssize_t got = tokens_to_record(rec + extra_len, seq, is_list, arr, lo, lo + block_size);
+        if (got < 0) goto fail;
+        lens[b] = extra_len + got;
+        keys[b] = memo_key_of(rec, (size_t)lens[b]);
     }
     const uint8_t *prev = parent;
     Py_ssize_t prev_len = parent_len;
     for (Py_ssize_t b = 0; b < n; b++) {
-        const uint8_t *rec = recs + b * rec_len;
+        const uint8_t *rec = recs + b * stride;
+        Py_ssize_t rec_len = lens[b];
         uint64_t key = keys[b];
-        if (prev_len != DIGEST) { /* an odd parent (block 0 only): key the whole input */
-            uint8_t *in = PyMem_Malloc((size_t)(prev_len + rec_len));
-            if (in == NULL) { PyErr_NoMemory(); goto fail; }
-            memcpy(in, prev, (size_t)prev_len);
-            memcpy(in + prev_len, rec, (size_t)rec_len);
-            key = input_key(in, (size_t)(prev_len + rec_len));
-            PyMem_Free(in);
+        if (prev_len != DIGEST) { /* an odd parent (block 0 only): key the whole record */
+            memcpy(wide, prev, (size_t)prev_len);
+            memcpy(wide + prev_len, rec, (size_t)rec_len);
+            key = input_key(wide, (size_t)(prev_len + rec_len));
         }
         int found = use_memo ? memo_hit(memo, &pos, key, prev, prev_len, rec, rec_len, out, b) : 0;
         if (found < 0) goto fail;
         if (!found) {
             if (!PyDict_Check(memo)) use_memo = 0; /* off the tree: no later block is in it */
-            if (hash_block(key, prev, prev_len, rec, rec_len, out, b) < 0) goto fail;
+            if (hash_block(key, prev, prev_len, rec, rec_len, extra_len, block_size, wide, out,
+                           b) < 0)
+                goto fail;
         }
         prev = (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(out[0], b));
         prev_len = DIGEST;
     }
     Py_XDECREF(pos);
     PyMem_Free(recs);
+    PyMem_Free(wide);
+    PyMem_Free(lens);
     PyMem_Free(keys);
     PyObject *result = PyTuple_Pack(3, out[0], out[1], out[2]);
     for (int i = 0; i < 3; i++) Py_DECREF(out[i]);
@@ -801,6 +875,8 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
 fail:
     Py_XDECREF(pos);
     PyMem_Free(recs);
+    PyMem_Free(wide);
+    PyMem_Free(lens);
     PyMem_Free(keys);
     for (int i = 0; i < 3; i++) Py_XDECREF(out[i]);
     return NULL;

@@ -153,7 +153,10 @@ class EvictionMixin:
             node = self.tree.cpu_lru.pop()
             if node is None:
                 return None
-            self._drop_cpu(node)
+            if node.state is Tier.CPU:
+                self._drop_cpu_leaf(node)
+            else:
+                self._drop_cpu(node)  # a GPU node's backup
         return self.cpu_pool.allocate(1)[0]
 
     def _release_gpu(self, node: Node, state: Tier) -> None:
@@ -183,8 +186,13 @@ class EvictionMixin:
         self._counters.evictions["gpu_dropped"] += 1
         parent = node.parent
         parent.n_gpu_children -= 1
-        if not node.in_storage:
+        if node.in_storage:
+            pass
+        elif node.n_children:
             self._remove(node)
+        else:  # tree.remove for a leaf in no LRU (no CPU copy: never in the CPU one)
+            parent.unlink_child(node.hash)
+            self.tree.num_nodes -= 1
         return parent if _new_gpu_leaf(parent) else None
 
     def _remove(self, node: Node) -> None:
@@ -212,6 +220,25 @@ class EvictionMixin:
             if not node.in_storage:
                 self._remove(node)
         self.cpu_pool.free([cpu])
+        self._counters.evictions["cpu_dropped"] += 1
+
+    def _drop_cpu_leaf(self, node: Node) -> None:
+        """``_drop_cpu`` for a CPU-only leaf just popped off the CPU LRU (state
+        CPU, unreferenced, no child holding a block, in no LRU now): the CPU
+        eviction hot path, with ``_set`` reduced to what can change. Only the
+        parent's CPU-leaf status can: it lost a CPU child, not a GPU one."""
+        cpu = node.cpu
+        node.cpu = -1
+        node.state = Tier.STORAGE
+        if self._events is not None:
+            self._publish_change(node, Tier.CPU, True)
+        parent = node.parent
+        parent.n_cpu_children -= 1
+        if not parent.n_cpu_children and parent.cpu >= 0:
+            self._refresh(parent)  # a CPU leaf now, unless held
+        if not node.in_storage:
+            self._remove(node)
+        self.cpu_pool.free_one(cpu)
         self._counters.evictions["cpu_dropped"] += 1
 
     def _disable_cpu_tier(self) -> None:

@@ -94,13 +94,15 @@ def block_hashes_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
     ``memo`` finds a candidate node for each block's key: a tree node (the
     one block ``start`` hangs under; each block asks the previous block's
     node ``memo_child(key)``, and the first miss ends the walk), a flat dict
-    ``{key: node}``, or None (no memo). A candidate has ``input`` (the bytes
-    it was hashed from: parent hash, extra key, tokens) and ``hash``: when a
-    block's input equals a node's, the node's hash is taken (equal inputs,
-    equal hashes; the key only picks the candidate). Returns ``(hashes,
-    inputs, keys)``: the same hashes as ``block_hashes``, plus each block's
-    input bytes and memo key for new nodes to be remembered by; inputs and
-    keys are None on the Python path (no memo: every block is hashed).
+    ``{key: node}``, or None (no memo). A candidate has ``input`` (its memo
+    record: the bytes it was hashed from, parent hash ‖ extra key ‖ tokens,
+    with token ids narrowed to uint32 where they fit; see ``hash_input``) and
+    ``hash``: when a block's record equals a node's, the node's hash is taken
+    (equal records, equal inputs, equal hashes; the key, computed from what
+    follows the parent hash, only picks the candidate). Returns ``(hashes,
+    records, keys)``: the same hashes as ``block_hashes``, plus each block's
+    record and memo key for new nodes to be remembered by; records and keys
+    are None on the Python path (no memo: every block is hashed).
     """
     mod = _native
     if mod is _UNTRIED:
@@ -123,9 +125,24 @@ def block_hashes_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
     return block_hashes(parent, token_ids, block_size, extra_key, start, stop), None, None
 
 
-def memo_key(block_input: bytes) -> int:
-    """The memo key of one block input (native path only; process-local)."""
-    return load_native().memo_key(block_input)
+def memo_key(record: bytes) -> int:
+    """The memo key of one block's memo record (native path only; process-local)."""
+    return load_native().memo_key(record)
+
+
+def hash_input(record: bytes, block_size: int) -> bytes:
+    """The BLAKE2b input a memo record stands for (parent ‖ extra ‖ tokens as
+    int64): a record narrows the ids to uint32 when they all fit, marked by
+    its last byte (4, or 8 for the int64 form)."""
+    width = record[-1] if record else 0
+    if width not in (4, 8) or len(record) < 1 + width * block_size:
+        raise ValueError(f"not a memo record of {block_size}-token blocks "
+                         f"({len(record)} bytes, width byte {width})")
+    split = len(record) - 1 - width * block_size
+    ids = record[split:-1]
+    if width == 4:
+        ids = np.frombuffer(ids, dtype="<u4").astype("<i8").tobytes()
+    return record[:split] + ids
 
 
 def _block_hashes_py(parent: bytes, token_ids: Sequence[int], block_size: int,

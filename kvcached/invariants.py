@@ -12,7 +12,7 @@ import collections
 from hashlib import blake2b
 from typing import TYPE_CHECKING
 
-from kvcached.hashing import memo_key
+from kvcached.hashing import hash_input, memo_key
 from kvcached.tree import GPU_STATES, Node, Tier
 
 if TYPE_CHECKING:
@@ -146,7 +146,8 @@ def _check_memo(mgr: CacheManager, nodes: list[Node]) -> None:
             continue
         if memo_key(n.input) != n.mkey:
             _fail(f"{n}: memo key {n.mkey} is not the key of its input")
-        if blake2b(n.input, digest_size=len(n.hash)).digest() != n.hash:
+        block_input = hash_input(n.input, mgr.block_size)
+        if blake2b(block_input, digest_size=len(n.hash)).digest() != n.hash:
             _fail(f"{n}: its remembered input does not hash to its hash")
         found = n.parent.memo_child(n.mkey) if hasattr(n.parent, "memo_child") else n
         if found is not n and not any(c is not n and c.mkey == n.mkey

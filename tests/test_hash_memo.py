@@ -9,6 +9,7 @@ tree, lazily (``check_invariants`` verifies every entry hashes to its node's has
 from __future__ import annotations
 
 import random
+from hashlib import blake2b
 
 import numpy as np
 import pytest
@@ -44,13 +45,45 @@ def test_without_memo_entries_it_is_block_hashes(native):
     toks = tokens(1, 10 * BS + 3)
     hashes, inputs, keys = block_hashes_memo(NS, toks, BS, "lora", {})
     assert hashes == block_hashes(NS, toks, BS, "lora")
-    # each input is what its hash was computed from: parent hash, extra, tokens
+    # each record is what its hash was computed from, parent hash, extra,
+    # tokens, with the ids narrowed to uint32 and a width byte
     parent = NS
-    for i, (h, block_input) in enumerate(zip(hashes, inputs)):
-        raw = np.array(toks[i * BS:(i + 1) * BS], dtype="<i8").tobytes()
-        assert block_input == parent + b"lora" + raw
+    for i, (h, record) in enumerate(zip(hashes, inputs)):
+        ids = toks[i * BS:(i + 1) * BS]
+        assert record == parent + b"lora" + np.array(ids, dtype="<u4").tobytes() + b"\x04"
+        block_input = parent + b"lora" + np.array(ids, dtype="<i8").tobytes()
+        assert hashing.hash_input(record, BS) == block_input
+        assert blake2b(block_input, digest_size=16).digest() == h
         parent = h
     assert keys == [native.memo_key(x) for x in inputs]
+
+
+@pytest.mark.parametrize("odd", [2**32, -1, 2**63 - 1, -2**63])
+def test_ids_outside_uint32_keep_the_int64_form(native, odd):
+    """A block with an id that does not fit in uint32 is remembered in the hash
+    input's own form (width byte 8); its neighbours stay narrow, and every
+    block hits again with the same hashes."""
+    toks = tokens(7, 3 * BS)
+    toks[BS + 5] = odd
+    want = block_hashes(NS, toks, BS)
+    memo: dict = {}
+    first = block_hashes_memo(NS, toks, BS, None, memo)
+    assert first[0] == want
+    assert [r[-1] for r in first[1]] == [4, 8, 4]
+    assert first[1][1] == want[0] + np.array(toks[BS:2 * BS], dtype="<i8").tobytes() + b"\x08"
+    assert [hashing.hash_input(r, BS)[16:] for r in first[1]] == \
+        [np.array(toks[i * BS:(i + 1) * BS], dtype="<i8").tobytes() for i in range(3)]
+    remember(memo, first)
+    again = block_hashes_memo(NS, toks, BS, None, memo)
+    assert again[0] == want and all(a is b for a, b in zip(again[1], first[1]))
+    # the same ids as int64 array: the same records
+    assert block_hashes_memo(NS, np.array(toks, dtype=np.int64), BS, None, None)[1] == first[1]
+
+
+def test_hash_input_rejects_what_is_not_a_record():
+    for bad in (b"", b"\x00" * 20 + b"\x05", b"\x00" * 10 + b"\x04"):
+        with pytest.raises(ValueError, match="not a memo record"):
+            hashing.hash_input(bad, BS)
 
 
 def test_remembered_blocks_give_the_same_hashes(native):
