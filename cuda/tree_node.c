@@ -62,11 +62,8 @@ static PyMemberDef node_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"h", "parent", "depth", NULL};
-    PyObject *h, *parent, *depth;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Node", kwlist, &h, &parent, &depth))
-        return NULL;
+/* Node(h, parent, depth) with every other attribute at its default. */
+static Node *make_node(PyTypeObject *type, PyObject *h, PyObject *parent, PyObject *depth) {
     if (default_state == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "kvcached._tree_node: set_default_state() not called");
         return NULL;
@@ -94,7 +91,15 @@ static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->input = Py_NewRef(Py_None);
     self->mkey = Py_NewRef(Py_None);
     self->has_mkey = 0;
-    return (PyObject *)self;
+    return self;
+}
+
+static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"h", "parent", "depth", NULL};
+    PyObject *h, *parent, *depth;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Node", kwlist, &h, &parent, &depth))
+        return NULL;
+    return (PyObject *)make_node(type, h, parent, depth);
 }
 
 /* Every member but parent and children. */
@@ -265,20 +270,28 @@ static PyObject *node_memo_child(PyObject *op, PyObject *key) {
     return Py_NewRef(found ? found : Py_None);
 }
 
+static int link_child(Node *self, PyObject *h, PyObject *child);
+
 static PyObject *node_link_child(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
-    Node *self = (Node *)op;
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "link_child(h, node) takes 2 arguments, got %zd", nargs);
         return NULL;
     }
-    PyObject *h = args[0], *child = args[1], *c = self->children;
+    if (link_child((Node *)op, args[0], args[1]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Store child under h (replacing one stored there); -1 on error. */
+static int link_child(Node *self, PyObject *h, PyObject *child) {
+    PyObject *c = self->children;
     if (c == NULL && is_node(child)) {
         int eq = keyed_by(child, h);
         if (eq < 0)
-            return NULL;
+            return -1;
         if (eq) { /* the common case: one child, under its own hash */
             self->children = Py_NewRef(child);
-            Py_RETURN_NONE;
+            return 0;
         }
     }
     if (c == NULL || is_node(c)) { /* the tree branches here: dicts from now on */
@@ -286,21 +299,19 @@ static PyObject *node_link_child(PyObject *op, PyObject *const *args, Py_ssize_t
         if (d == NULL || (c != NULL && (PyDict_SetItem(d, ((Node *)c)->hash, c) < 0 ||
                                         index_key(self, c) < 0))) {
             Py_XDECREF(d);
-            return NULL;
+            return -1;
         }
         Py_XSETREF(self->children, d);
         c = d;
     }
     PyObject *old = PyDict_GetItemWithError(c, h);
     if (old == NULL && PyErr_Occurred())
-        return NULL;
+        return -1;
     Py_XINCREF(old);
     int rc = (old != NULL ? unindex_key(self, old) : 0) < 0 || PyDict_SetItem(c, h, child) < 0 ||
              index_key(self, child) < 0;
     Py_XDECREF(old);
-    if (rc)
-        return NULL;
-    Py_RETURN_NONE;
+    return rc ? -1 : 0;
 }
 
 static PyObject *node_unlink_child(PyObject *op, PyObject *h) {
@@ -627,6 +638,102 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------- insert_new */
+
+/* *slot += d for an int slot; -1 on error. */
+static int add_to(PyObject **slot, long d) {
+    long v = PyLong_AsLong(*slot);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *nv = PyLong_FromLong(v + d);
+    if (nv == NULL)
+        return -1;
+    Py_SETREF(*slot, nv);
+    return 0;
+}
+
+/* One new node for block i under parent: state gpu_state, ref 1, GPU block
+ * blocks[i], the memo record and key where records is a list; linked, and
+ * counted in parent.n_gpu_children. A new reference, or NULL on error. */
+static Node *new_gpu_child(Node *parent, PyObject *h, PyObject *block, PyObject *record,
+                           PyObject *key, PyObject *gpu_state) {
+    long d = PyLong_AsLong(parent->depth);
+    PyObject *depth = d == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(d + 1);
+    if (depth == NULL)
+        return NULL;
+    Node *node = make_node(&NodeType, h, (PyObject *)parent, depth);
+    Py_DECREF(depth);
+    if (node == NULL)
+        return NULL;
+    Py_SETREF(node->state, Py_NewRef(gpu_state));
+    Py_SETREF(node->gpu, Py_NewRef(block));
+    Py_SETREF(node->ref, PyLong_FromLong(1)); /* a cached small int: cannot fail */
+    if (record != NULL)
+        Py_SETREF(node->input, Py_NewRef(record));
+    if ((record != NULL && node_set_mkey((PyObject *)node, key, NULL) < 0) ||
+        link_child(parent, h, (PyObject *)node) < 0 ||
+        add_to(&parent->n_gpu_children, 1) < 0) {
+        Py_DECREF(node);
+        return NULL;
+    }
+    return node;
+}
+
+/* CacheManager._insert's common case over native nodes (the Python loop
+ * there is the reference, and the path for PyNode and for KV events): from
+ * block `start`, while hashes[i] has no child under the current parent, a
+ * new node (new_gpu_child) becomes the parent of the next and is appended
+ * to `nodes`. The new nodes are referenced and so is their first parent (the
+ * request's last node, or the root), so no LRU membership changes. Returns
+ * (parent, i): i == stop, or the first block that has a node already, for
+ * the Python loop to decide. records and keys are lists, or both None. */
+static PyObject *insert_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9 || !Py_IS_TYPE(args[0], &NodeType) || !PyList_Check(args[1]) ||
+        !PyList_Check(args[4]) || !PyList_Check(args[8]) ||
+        (args[2] == Py_None) != (args[3] == Py_None) ||
+        (args[2] != Py_None && !(PyList_Check(args[2]) && PyList_Check(args[3])))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "insert_new(parent: Node, hashes: list, records: list | None, "
+                        "keys: list | None, blocks: list, start, stop, gpu_state, nodes: list)");
+        return NULL;
+    }
+    PyObject *hashes = args[1], *records = args[2], *keys = args[3], *blocks = args[4],
+             *gpu_state = args[7], *nodes = args[8];
+    Py_ssize_t i = PyLong_AsSsize_t(args[5]), stop = PyLong_AsSsize_t(args[6]);
+    if ((i == -1 || stop == -1) && PyErr_Occurred())
+        return NULL;
+    if (i < 0 || stop > PyList_GET_SIZE(hashes) || stop > PyList_GET_SIZE(blocks) ||
+        (records != Py_None &&
+         (stop > PyList_GET_SIZE(records) || stop > PyList_GET_SIZE(keys)))) {
+        PyErr_Format(PyExc_IndexError, "insert_new: blocks [%zd, %zd) out of range", i, stop);
+        return NULL;
+    }
+    Node *parent = (Node *)Py_NewRef(args[0]);
+    for (; i < stop; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        PyObject *there = child_of(parent, h);
+        if (there == NULL)
+            goto fail;
+        int taken = there != Py_None;
+        Py_DECREF(there);
+        if (taken)
+            break;
+        Node *node = new_gpu_child(parent, h, PyList_GET_ITEM(blocks, i),
+                                   records == Py_None ? NULL : PyList_GET_ITEM(records, i),
+                                   records == Py_None ? NULL : PyList_GET_ITEM(keys, i),
+                                   gpu_state);
+        if (node == NULL)
+            goto fail;
+        Py_SETREF(parent, node);
+        if (PyList_Append(nodes, (PyObject *)node) < 0)
+            goto fail;
+    }
+    return Py_BuildValue("(Nn)", (PyObject *)parent, i);
+fail:
+    Py_DECREF(parent);
+    return NULL;
+}
+
 static PyObject *set_default_state(PyObject *self, PyObject *state) {
     Py_XSETREF(default_state, Py_NewRef(state));
     Py_RETURN_NONE;
@@ -642,6 +749,8 @@ static PyMethodDef methods[] = {
      "EvictionMixin._unref_path's loop over native nodes (see the C comment)."},
     {"match_ref", (PyCFunction)(void (*)(void))match_ref, METH_FASTCALL,
      "CacheManager._match_ref's loop over native nodes (see the C comment)."},
+    {"insert_new", (PyCFunction)(void (*)(void))insert_new, METH_FASTCALL,
+     "CacheManager._insert's loop for new blocks over native nodes (see the C comment)."},
     {"set_default_state", set_default_state, METH_O,
      "The state every new Node starts in (kvcached.tree sets Tier.STORAGE)."},
     {NULL, NULL, 0, NULL},

@@ -31,7 +31,7 @@ from kvcached.pool import BlockPool
 from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.stats import Counters
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
-from kvcached.tree import BlockTree, Node, Tier, native_match_ref
+from kvcached.tree import BlockTree, Node, Tier, native_insert_new, native_match_ref
 from kvcached.types import Allocation, CacheStats, HitInfo
 
 logger = logging.getLogger(__name__)
@@ -367,8 +367,21 @@ class CacheManager(EvictionMixin, FetchMixin):
                 req.keys.extend(keys)
 
     def _insert(self, req: _Request, full: int) -> None:
+        """Put blocks ``len(req.nodes)..full-1`` of the request in the tree: new
+        nodes for new blocks (in C over native nodes: ``insert_new``, whose
+        reference is this loop), and for a block already cached, dedup onto
+        it, adopt this request's copy, or, when it is in flight, stop."""
         parent = req.nodes[-1] if req.nodes else self.tree.root
-        for i in range(len(req.nodes), full):
+        i = len(req.nodes)
+        fast = native_insert_new if self._events is None else None
+        while i < full:
+            if fast is not None:
+                made = len(req.nodes)
+                parent, i = fast(parent, req.hashes, req.inputs, req.keys, req.blocks, i,
+                                 full, Tier.GPU, req.nodes)
+                self.tree.num_nodes += len(req.nodes) - made
+                if i == full:
+                    return
             h = req.hashes[i]
             node = parent.child(h)
             if node is None:
@@ -387,6 +400,7 @@ class CacheManager(EvictionMixin, FetchMixin):
                 return
             req.nodes.append(node)
             parent = node
+            i += 1
 
     def _new_gpu_node(self, parent: Node, h: bytes, gpu: int, req: _Request, i: int) -> Node:
         """A node for block ``i`` that ``req`` just computed (``_set(GPU)`` inlined: it

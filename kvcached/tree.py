@@ -124,6 +124,8 @@ Node = _native.Node if _native else PyNode  # what BlockTree builds; PyNode's at
 native_match_ref = _native.match_ref if _native else None
 # EvictionMixin._unref_path's loop in C, for native nodes (None: the Python loop).
 native_unref_path = _native.unref_path if _native else None
+# CacheManager._insert's loop over new blocks in C, for native nodes (None: Python).
+native_insert_new = _native.insert_new if _native else None
 
 
 class LeafLRU:

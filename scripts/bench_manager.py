@@ -12,6 +12,11 @@ manager: hashing, matching, the tree, the pools, eviction.
    per prompt block, and the hit rate per tier. The collector is frozen
    after start-up (engines do this too), so a full collection over the
    imported torch heap (~100 ms) is not charged to whichever call it hits.
+   The same replay runs through FastDeploy's own manager as the baseline of
+   the speed target (``_fastdeploy_baseline.py``; when its source is found),
+   taking turns with kvcached's; each scenario runs 3 times, the median is
+   reported, and ``times_cheaper_than_fastdeploy`` is the ratio per block,
+   by wall time and by CPU time (target: 10x in both).
 2. Eviction scaling: a GPU-only tree of N cached blocks (N = 10K, 100K, 1M;
    chains of a few blocks, so the LRU holds N/chain leaves) in a pool of N
    blocks plus a little slack; then allocations that each need ``chunk``
@@ -262,6 +267,8 @@ def main() -> None:
                     help="FastDeploy's prefix_cache_manager.py to replay as the baseline "
                          "(default: shared/reference's copy; skipped if absent)")
     ap.add_argument("--no-fastdeploy", action="store_true", help="skip the baseline")
+    ap.add_argument("--chat-repeats", type=int, default=None,
+                    help="replays per scenario, median reported (3; quick 1)")
     args = ap.parse_args()
     requests = args.requests or (600 if args.quick else 3000)
     rounds = 3 if args.quick else 7
@@ -274,20 +281,35 @@ def main() -> None:
     # bookkeeping floor (hash, match, ref, commit, free) without tier churn.
     scenarios = {"chat": (args.gpu_blocks, args.cpu_blocks),
                  "chat_gpu_resident": (8 * args.gpu_blocks, 0)}
-    runs, fd_runs = {}, {}
+    repeats = args.chat_repeats or (1 if args.quick else 3)
+    ours, theirs = {name: [] for name in scenarios}, {name: [] for name in scenarios}
     t0 = time.perf_counter()
     with short_tmp_dir("kvbm-") as tmp:
-        for name, (gpu, cpu) in scenarios.items():
-            runs[name] = bench_chat(tmp / name, requests, gpu, cpu, args.seed)
-            log(f"{name}: {runs[name]['us_per_block']:.2f} us/block, "
-                f"p50 {runs[name]['p50_us']:.0f} us, hits {runs[name]['hit_rate']}")
-            if baseline is not None:
-                fd_runs[name] = bench_fastdeploy(baseline, requests, gpu, cpu, args.seed)
-                log(f"{name}, FastDeploy: {fd_runs[name]['us_per_block']:.2f} us/block")
+        # kvcached and FastDeploy take turns, so a noisy spell hits both alike.
+        for rep in range(repeats):
+            for name, (gpu, cpu) in scenarios.items():
+                r = bench_chat(tmp / f"{name}{rep}", requests, gpu, cpu, args.seed)
+                ours[name].append(r)
+                log(f"{name} ({rep + 1}/{repeats}): {r['us_per_block']:.2f} us/block, "
+                    f"p50 {r['p50_us']:.0f} us, hits {r['hit_rate']}")
+                if baseline is not None:
+                    fd = bench_fastdeploy(baseline, requests, gpu, cpu, args.seed)
+                    theirs[name].append(fd)
+                    log(f"{name}, FastDeploy: {fd['us_per_block']:.2f} us/block")
         eviction = bench_eviction(tmp, sizes, 10_000, rounds, args.chain, args.chunk)
+    runs = {name: median_run(rs) for name, rs in ours.items()}
+    fd_runs = {name: median_run(rs) for name, rs in theirs.items() if rs}
     emit({"bench": "manager", "quick": args.quick, "block_size": BLOCK_SIZE, **runs,
           "eviction": eviction, "fastdeploy": fd_runs, **speed_vs_fastdeploy(runs, fd_runs),
           "total_s": time.perf_counter() - t0})
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median cost per block, with every run's cost beside it."""
+    ranked = sorted(runs, key=lambda r: r["us_per_block"])
+    return {**ranked[(len(ranked) - 1) // 2],
+            "us_per_block_runs": [r["us_per_block"] for r in runs],
+            "cpu_us_per_block_runs": [r["cpu_us_per_block"] for r in runs]}
 
 
 def speed_vs_fastdeploy(runs: dict[str, dict], fd_runs: dict[str, dict]) -> dict:
