@@ -684,6 +684,7 @@ typedef struct {
 } kvc_node_api;
 
 static const kvc_node_api *node_api; /* NULL until set_node_api */
+static unsigned long long native_steps; /* walk steps that read a node through node_api */
 
 static inline int is_native_node(PyObject *o) {
     return node_api != NULL && Py_IS_TYPE(o, node_api->type);
@@ -705,6 +706,7 @@ static PyObject *memo_candidate(PyObject *memo, PyObject *pos, uint64_t key,
                                 PyObject **key_obj) {
     if (pos != NULL && is_native_node(pos)) {
         int err;
+        native_steps++;
         return Py_XNewRef(node_api->memo_child(pos, key, &err));
     }
     if (!PyDict_Check(memo) && pos == NULL)
@@ -1038,6 +1040,11 @@ static PyObject *memo_key(PyObject *self, PyObject *arg) {
 
 /* ------------------------------------------------------- impl selection */
 
+static PyObject *walk_native_steps(PyObject *self, PyObject *unused) {
+    (void)self;
+    return PyLong_FromUnsignedLongLong(native_steps);
+}
+
 /* set_node_api(capsule): read kvcached._tree_node's nodes directly in the walk. */
 static PyObject *set_node_api(PyObject *self, PyObject *capsule) {
     (void)self;
@@ -1120,6 +1127,8 @@ static PyMethodDef methods[] = {
      "from, keys[i] their memo key."},
     {"memo_key", memo_key, METH_O, "memo_key(input: bytes) -> int: the memo key of a block "
      "input (of what follows its 16-byte parent hash; process-local)."},
+    {"native_steps", walk_native_steps, METH_NOARGS, "native_steps() -> int: walk steps "
+     "so far that read a native node directly (tests: the capsule is in use)."},
     {"set_node_api", set_node_api, METH_O, "set_node_api(kvcached._tree_node.node_api): read "
      "native tree nodes directly in chain_memo's walk (the capsule is kept by its module)."},
     {"impl", impl, METH_NOARGS, "impl() -> str: the BLAKE2b compress in use "

@@ -257,11 +257,15 @@ def test_native_nodes_are_read_directly_with_the_same_results(native):
     tree, prompts = native_tree(5, 6, seed=30)
     assert hashing._node_api is not None
     for toks in prompts + [prompts[0][:3 * BS] + tokens(40, 3 * BS)]:
+        steps = native.native_steps()
         fast = block_hashes_memo(NS, toks, BS, None, tree.root)
+        assert native.native_steps() > steps  # the walk read native nodes directly
+        steps = native.native_steps()
         slow = block_hashes_memo(NS, toks, BS, None, Proxy(tree.root))
+        assert native.native_steps() == steps  # a Python node: attributes, not the capsule
         assert fast[0] == slow[0] == block_hashes(NS, toks, BS)
         assert fast[1] == slow[1] and fast[2] == slow[2]
-    # a hit hands back the node's own input and key objects
+    # a hit hands back the node's own record and key objects
     node, toks = tree.root, prompts[1]
     got = block_hashes_memo(NS, toks, BS, None, tree.root)
     for x, k, h in zip(got[1], got[2], got[0]):
