@@ -300,7 +300,7 @@ def main() -> None:
     runs = {name: median_run(rs) for name, rs in ours.items()}
     fd_runs = {name: median_run(rs) for name, rs in theirs.items() if rs}
     emit({"bench": "manager", "quick": args.quick, "block_size": BLOCK_SIZE, **runs,
-          "eviction": eviction, "fastdeploy": fd_runs, **speed_vs_fastdeploy(runs, fd_runs),
+          "eviction": eviction, "fastdeploy": fd_runs, **speed_vs_fastdeploy(ours, theirs),
           "total_s": time.perf_counter() - t0})
 
 
@@ -312,25 +312,33 @@ def median_run(runs: list[dict]) -> dict:
             "cpu_us_per_block_runs": [r["cpu_us_per_block"] for r in runs]}
 
 
-def speed_vs_fastdeploy(runs: dict[str, dict], fd_runs: dict[str, dict]) -> dict:
+def speed_vs_fastdeploy(ours: dict[str, list[dict]], theirs: dict[str, list[dict]]) -> dict:
     """How many times cheaper per block than FastDeploy, per scenario.
 
     Measured: against FastDeploy's manager replaying the same requests in this
-    process, by wall time (what the engine's scheduler waits; FastDeploy's
-    includes its 1 ms polls) and by CPU time (no sleeps; its eviction thread's
-    work counted). The target (an order of magnitude) counts as met only if
-    both hold in every scenario. Without the baseline, against the 5-15 us
-    per block quoted for FastDeploy on this machine (against 5 us).
+    process right after kvcached, by wall time (what the engine's scheduler
+    waits; FastDeploy's includes its 1 ms polls) and by CPU time (no sleeps;
+    its eviction thread's work counted); the median over the repeats of each
+    pair's ratio, so a noisy spell weighs on both sides of a ratio alike. The
+    target (an order of magnitude) counts as met only if both hold in every
+    scenario. Without the baseline, against the 5-15 us per block quoted for
+    FastDeploy on this machine (against 5 us).
     """
     lo, hi = FASTDEPLOY_US_PER_BLOCK
-    quoted = {name: [round(lo / r["us_per_block"], 2), round(hi / r["us_per_block"], 2)]
-              for name, r in runs.items()}
+    quoted = {}
+    for name, rs in ours.items():
+        us = statistics.median(r["us_per_block"] for r in rs)
+        quoted[name] = [round(lo / us, 2), round(hi / us, 2)]
     out = {"fastdeploy_quoted_us_per_block": [lo, hi], "times_cheaper_than_quoted": quoted,
            "speed_target_times": SPEED_TARGET_TIMES}
-    if fd_runs:
-        measured = {name: {"wall": fd["us_per_block"] / runs[name]["us_per_block"],
-                           "cpu": fd["cpu_us_per_block"] / runs[name]["cpu_us_per_block"]}
-                    for name, fd in fd_runs.items()}
+    if any(theirs.values()):
+        measured = {name: {"wall": statistics.median(
+                               fd["us_per_block"] / r["us_per_block"]
+                               for r, fd in zip(ours[name], fds)),
+                           "cpu": statistics.median(
+                               fd["cpu_us_per_block"] / r["cpu_us_per_block"]
+                               for r, fd in zip(ours[name], fds))}
+                    for name, fds in theirs.items()}
         out["times_cheaper_than_fastdeploy"] = measured
         out["meets_speed_target"] = all(min(m.values()) >= SPEED_TARGET_TIMES
                                         for m in measured.values())
