@@ -25,14 +25,15 @@
  *                                   memo (a tree node, or {key: node}) holds
  *   memo_key(record: bytes) -> int  the memo key of one block's record
  *   set_node_api(capsule)     read kvcached._tree_node's nodes directly
+ *   native_steps() -> int     walk steps that did (for tests)
+ *   impl() -> str             the compress in use: "avx512", "avx2", "portable"
+ *   impls() -> tuple[str]     the ones this CPU runs, best first
+ *   set_impl(name) -> str     switch (tests, benchmarks); returns the previous
  *
  * A block's memo record is its hash input with the token ids narrowed:
  * parent ‖ extra ‖ ids as little-endian uint32 ‖ 0x04, or, when an id does
  * not fit, parent ‖ extra ‖ ids as int64 ‖ 0x08. Equal records, equal hash
  * inputs, equal hashes: a hit compares records exactly.
- *   impl() -> str             the compress in use: "avx512", "avx2", "portable"
- *   impls() -> tuple[str]     the ones this CPU runs, best first
- *   set_impl(name) -> str     switch (tests, benchmarks); returns the previous
  *
  * Errors: OverflowError for an int outside int64, TypeError for an item that
  * is not an int (a float, a numpy scalar, None) or a buffer that is not
@@ -705,7 +706,7 @@ static uint64_t input_key(const uint8_t *in, size_t n) {
 static PyObject *memo_candidate(PyObject *memo, PyObject *pos, uint64_t key,
                                 PyObject **key_obj) {
     if (pos != NULL && is_native_node(pos)) {
-        int err;
+        int err; /* on an error (a branching node's index) the exception is set */
         native_steps++;
         return Py_XNewRef(node_api->memo_child(pos, key, &err));
     }

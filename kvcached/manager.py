@@ -377,9 +377,11 @@ class CacheManager(EvictionMixin, FetchMixin):
         while i < full:
             if fast is not None:
                 made = len(req.nodes)
-                parent, i = fast(parent, req.hashes, req.inputs, req.keys, req.blocks, i,
-                                 full, Tier.GPU, req.nodes)
-                self.tree.num_nodes += len(req.nodes) - made
+                try:
+                    parent, i = fast(parent, req.hashes, req.inputs, req.keys, req.blocks, i,
+                                     full, Tier.GPU, req.nodes)
+                finally:  # counted even if it stopped on an error midway
+                    self.tree.num_nodes += len(req.nodes) - made
                 if i == full:
                     return
             h = req.hashes[i]

@@ -394,3 +394,23 @@ def test_native_insert_new_is_the_python_loop(native_node, make_manager, monkeyp
     with_c.check_invariants()
     python.check_invariants()
     assert with_c.tree.num_nodes == len(list(with_c.tree.walk())) > 0
+
+
+def test_native_insert_new_checks_its_arguments(native_node):
+    from kvcached.tree import native_insert_new
+    tree = BlockTree()
+    nodes: list = []
+    with pytest.raises(TypeError, match="insert_new"):
+        native_insert_new(tree.root, [b"h"], [b"r"], None, [3], 0, 1, Tier.GPU, nodes)
+    with pytest.raises(IndexError, match="out of range"):
+        native_insert_new(tree.root, [b"h"], None, None, [3], 0, 2, Tier.GPU, nodes)
+    parent, i = native_insert_new(tree.root, [b"h1", b"h2"], None, None, [3, 4], 0, 2,
+                                  Tier.GPU, nodes)
+    assert i == 2 and parent is nodes[-1] and [n.gpu for n in nodes] == [3, 4]
+    assert parent.depth == 2 and parent.parent is nodes[0] and tree.root.n_gpu_children == 1
+    assert nodes[0].n_gpu_children == 1 and parent.ref == 1 and parent.input is None
+    # a block whose hash has a node already stops the loop there
+    again: list = []
+    assert native_insert_new(tree.root, [b"h1"], None, None, [9], 0, 1, Tier.GPU,
+                             again) == (tree.root, 0) and again == []
+    tree.root.unlink_children()
