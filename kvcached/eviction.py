@@ -157,7 +157,7 @@ class EvictionMixin:
                 self._drop_cpu_leaf(node)
             else:
                 self._drop_cpu(node)  # a GPU node's backup
-        return self.cpu_pool.allocate(1)[0]
+        return self.cpu_pool.allocate_one()
 
     def _release_gpu(self, node: Node, state: Tier) -> None:
         gpu = node.gpu

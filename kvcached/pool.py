@@ -38,6 +38,14 @@ class BlockPool:
             self._is_free[b] = 0
         return out
 
+    def allocate_one(self) -> int:
+        """``allocate(1)[0]`` without the list (eviction takes one at a time)."""
+        if not self._free:
+            raise ValueError(f"{self.name} pool: asked for 1 block, 0 free")
+        b = self._free.popleft()
+        self._is_free[b] = 0
+        return b
+
     def free(self, ids: list[int] | tuple[int, ...], front: bool = False) -> None:
         """Return ids to the pool; all are checked before any is freed.
 

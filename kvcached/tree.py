@@ -176,9 +176,11 @@ class LeafLRU:
         if node is None:
             return self.pop()
         if getattr(node, self.slot) is None:
-            key = self._next_key(node)
             heap = self._heap
-            if not heap or key < heap[0][0]:  # older than every entry, live or stale
+            if not heap or node.last_access < heap[0][0] >> KEY_SHIFT:
+                return node  # older than every entry, live or stale: no key needed
+            key = self._next_key(node)
+            if key < heap[0][0]:
                 return node
             setattr(node, self.slot, key)
             self.size += 1
