@@ -107,12 +107,11 @@ class EvictionMixin:
 
         Returns the parent when it just became a GPU leaf: the caller lists it
         (``LeafLRU.push_pop`` when it evicts on, else ``add``)."""
-        gpu_lru, cpu_lru = self.tree.gpu_lru, self.tree.cpu_lru
         if node.gpu_key is not None:  # re-listed when taking its host block dropped a CPU child
-            gpu_lru.discard(node)
+            self.tree.gpu_lru.discard(node)
         if cpu is None:
             if node.cpu_key is not None:
-                cpu_lru.discard(node)  # a backup in flight is not evictable
+                self.tree.cpu_lru.discard(node)  # a backup in flight is not evictable
         else:
             node.cpu = cpu
         node.state = Tier.SWAP_OUT
@@ -124,8 +123,11 @@ class EvictionMixin:
         if cpu is not None:
             parent.n_cpu_children += 1
             if parent.cpu_key is not None:
-                cpu_lru.discard(parent)  # no longer a CPU leaf
-        return parent if _new_gpu_leaf(parent) else None
+                self.tree.cpu_lru.discard(parent)  # no longer a CPU leaf
+        # _new_gpu_leaf(parent), inlined: this runs once per evicted block
+        if parent.n_gpu_children or parent.ref or parent.busy or parent.parent is None:
+            return None
+        return parent if parent.state is Tier.GPU else None
 
     def _land_swap_out(self, batch: list[Node]) -> None:
         """Every rank holds ``batch`` in host blocks: SWAP_OUT -> CPU, GPU blocks freed
