@@ -124,10 +124,7 @@ class EvictionMixin:
             parent.n_cpu_children += 1
             if parent.cpu_key is not None:
                 self.tree.cpu_lru.discard(parent)  # no longer a CPU leaf
-        # _new_gpu_leaf(parent), inlined: this runs once per evicted block
-        if parent.n_gpu_children or parent.ref or parent.busy or parent.parent is None:
-            return None
-        return parent if parent.state is Tier.GPU else None
+        return parent if _new_gpu_leaf(parent) else None
 
     def _land_swap_out(self, batch: list[Node]) -> None:
         """Every rank holds ``batch`` in host blocks: SWAP_OUT -> CPU, GPU blocks freed
@@ -188,13 +185,12 @@ class EvictionMixin:
         self._counters.evictions["gpu_dropped"] += 1
         parent = node.parent
         parent.n_gpu_children -= 1
-        if node.in_storage:
-            pass
-        elif node.n_children:
-            self._remove(node)
-        else:  # tree.remove for a leaf in no LRU (no CPU copy: never in the CPU one)
-            parent.unlink_child(node.hash)
-            self.tree.num_nodes -= 1
+        if not node.in_storage:
+            if node.n_children:
+                self._remove(node)
+            else:  # tree.remove for a leaf in no LRU (no CPU copy: never in the CPU one)
+                parent.unlink_child(node.hash)
+                self.tree.num_nodes -= 1
         return parent if _new_gpu_leaf(parent) else None
 
     def _remove(self, node: Node) -> None:
