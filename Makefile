@@ -35,5 +35,10 @@ lint: $(STAMP)
 cuda: $(STAMP)
 	$(VPY) -m kvcached.copy.cuda --build
 
+# The manager's benchmark (issue 2's targets, FastDeploy's manager as the
+# baseline); the others are scripts/bench_*.py. Each ends with a JSON line.
+bench: $(STAMP)
+	$(VPY) scripts/bench_manager.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
