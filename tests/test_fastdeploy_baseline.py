@@ -5,7 +5,8 @@ kvcached's chat workload, so issue 2's "an order of magnitude cheaper" is a
 ratio measured in one process. These tests check the harness drives it
 faithfully: on the same requests both managers must serve the same hits per
 tier, which also cross-checks kvcached's LRU against an independent
-implementation. Skipped where the reference file is not present.
+implementation (skipped where the reference file is not present). And
+bench_manager's handling of what a user can get wrong around it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from kvcached.workload import generate_chat_workload, replay
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import _fastdeploy_baseline as fastdeploy  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not fastdeploy.REFERENCE.is_file(),
-                                reason=f"{fastdeploy.REFERENCE} not present")
+needs_reference = pytest.mark.skipif(not fastdeploy.REFERENCE.is_file(),
+                                     reason=f"{fastdeploy.REFERENCE} not present")
 
 BS = 16
 CHAT = dict(num_system_prompts=2, system_tokens=96, turn_tokens=(16, 64),
@@ -39,12 +40,14 @@ def both(gpu: int, cpu: int, make_manager) -> tuple[dict, dict, dict]:
     return ours["hit_tokens"], theirs["hit_tokens"], evictions
 
 
+@needs_reference
 def test_gpu_only_fastdeploy_serves_exactly_kvcached_s_hits(make_manager):
     ours, theirs, evictions = both(96, 0, make_manager)
     assert evictions["gpu_dropped"] > 300  # under pressure: the LRU order decides the hits
     assert ours["gpu"] == theirs["gpu"] > 0
 
 
+@needs_reference
 def test_with_a_cpu_tier_fastdeploy_serves_as_many_hits(make_manager):
     """Both tiers serve hits and the totals agree; the GPU/CPU split differs by
     a few blocks (FastDeploy makes room for a request's CPU hits and for its
@@ -59,3 +62,25 @@ def test_with_a_cpu_tier_fastdeploy_serves_as_many_hits(make_manager):
 def test_a_missing_reference_is_reported():
     with pytest.raises(FileNotFoundError):
         fastdeploy.load(Path("/nonexistent/prefix_cache_manager.py"))
+
+
+def test_a_failing_baseline_leaves_kvcached_s_numbers(tmp_path, capsys):
+    """Another FastDeploy version the harness cannot drive: the benchmark says
+    so and carries on with kvcached's replays alone."""
+    import bench_manager
+    broken = tmp_path / "prefix_cache_manager.py"
+    broken.write_text("raise RuntimeError('not the FastDeploy this harness knows')\n")
+    scenarios = {"chat": (512, 1024), "chat_gpu_resident": (2048, 0)}
+    ours, theirs = bench_manager.chat_rounds(tmp_path, scenarios, 40, 2, 0, broken)
+    assert [len(r) for r in ours.values()] == [2, 2]
+    assert all(r["served"] == 40 and r["us_per_block"] > 0 for rs in ours.values() for r in rs)
+    assert theirs == {"chat": [], "chat_gpu_resident": []}
+    assert "FastDeploy baseline failed, going on without it: RuntimeError" in capsys.readouterr().err
+    speed = bench_manager.speed_vs_fastdeploy(ours, theirs)
+    assert "times_cheaper_than_fastdeploy" not in speed and speed["times_cheaper_than_quoted"]
+
+
+def test_a_gpu_tier_too_small_for_any_prompt_is_named(tmp_path):
+    import bench_manager
+    with pytest.raises(SystemExit, match="more than 16 GPU blocks .raise --gpu-blocks."):
+        bench_manager.bench_chat(tmp_path, 5, 16, 0, 0)
