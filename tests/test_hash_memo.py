@@ -361,3 +361,55 @@ def test_hash_memo_off_keeps_no_inputs_and_caches_the_same(native, make_manager,
         seen.append(out)
     assert seen[0] == seen[1]
     assert any(gpu_hit for gpu_hit, _ in seen[0][:-1])  # the workload does hit
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_memos_never_change_a_hash(native, seed):
+    """Whatever a memo holds (a native tree grown from random prompts sharing
+    prefixes, or a flat dict with entries planted under other blocks' keys),
+    block_hashes_memo returns exactly block_hashes, for lists, tuples and int64
+    arrays, any extra key, start and block size, and ids that need int64."""
+    import kvcached.tree as tree_mod
+    rng = random.Random(seed)
+    bs = rng.choice([1, 3, 16])
+    stems = [tokens(100 * seed + i, rng.randrange(1, 5) * bs) for i in range(3)]
+
+    def prompt():
+        toks = list(rng.choice(stems)) + tokens(rng.randrange(10**6), rng.randrange(0, 4) * bs)
+        if rng.random() < 0.2:
+            toks[rng.randrange(len(toks))] = rng.choice([2**40, -5, 2**63 - 1])
+        return toks + [7] * rng.randrange(bs)  # a partial tail is never hashed
+
+    tree = tree_mod.BlockTree() if tree_mod.native_node_error is None else None
+    flat: dict = {}
+    remembered, hits = set(), 0  # ids of remembered records; blocks answered from them
+    for _ in range(30):
+        toks, extra = prompt(), rng.choice([None, "lora", b"\x00x"])
+        want = block_hashes(NS, toks, bs, extra)
+        for memo in ([tree.root] if tree else []) + [flat, None]:
+            for form in (toks, tuple(toks), np.array(toks, dtype=np.int64)):
+                got = block_hashes_memo(NS, form, bs, extra, memo)
+                assert got[0] == want, (seed, type(form), type(memo))
+                hits += sum(id(r) in remembered for r in got[1])
+                assert [hashing.hash_input(r, bs) for r in got[1]] == [
+                    (h0 + hashing._extra_bytes(extra)
+                     + np.array(toks[i * bs:(i + 1) * bs], dtype="<i8").tobytes())
+                    for i, h0 in enumerate([NS] + want[:-1])]
+        # resuming at a block, even from the wrong walk position: a record holds
+        # its parent hash, so a candidate there can only miss
+        start = rng.randrange(len(want) + 1)
+        parent = want[start - 1] if start else NS
+        assert block_hashes_memo(parent, toks, bs, extra, tree.root if tree else flat,
+                                 start=start)[0] == want[start:]
+        # remember this prompt: in the tree (as commits do) and in the flat dict,
+        # there also under a wrong key (a collision must only be a miss)
+        hashes, records, keys = block_hashes_memo(NS, toks, bs, extra, None)
+        if tree is not None:
+            node = tree.root
+            for h, x, k in zip(hashes, records, keys):
+                node = node.child(h) or tree.add_child(node, h, x, k)
+        for h, x, k in zip(hashes, records, keys):
+            flat[k] = Entry(x, h)
+            flat[rng.choice(keys) ^ 1] = Entry(x, h)
+            remembered.add(id(x))
+    assert hits > 30  # the shared stems were found again, in both kinds of memo
