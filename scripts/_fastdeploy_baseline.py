@@ -14,8 +14,8 @@ What the file imports from the rest of FastDeploy is stood in for here,
 following the facts in shared/reference/README.md: ``BlockNode`` and
 ``CacheStatus`` (same ordering and leaf rules), metrics and logging that do
 nothing, and a transfer queue that completes each swap task at once in the
-calling thread (so a swap costs FastDeploy no copy, as in kvcached's tiny
-in-process layout). Its eviction runs on its own thread pool and the engine
+calling thread (so a swap costs FastDeploy no copy, while kvcached's
+in-process copies are timed). Its eviction runs on its own thread pool and the engine
 polls it with 1 ms sleeps, as in FastDeploy; that wait is FastDeploy's real
 cost per call, and is reported separately (``poll_sleeps``) so a reader can
 discount it.
@@ -236,38 +236,44 @@ def replay(mgr, requests, block_size: int, on_progress=None) -> dict:
     res = {"requests": 0, "served": 0, "rejected": 0, "prompt_tokens": 0, "prompt_blocks": 0,
            "hit_tokens": {"gpu": 0, "cpu": 0}, "allocate_us": [], "commit_us": [],
            "free_us": [], "cpu_s": 0.0, "poll_sleeps": 0, "poll_s": 0.0}
-    clock, cpu = time.perf_counter, time.process_time
     with _PollTimer() as polls:
         for req in requests:
             res["requests"] += 1
-            task = SimpleNamespace(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                   output_token_ids=[], block_tables=[], cached_block_num=0)
-            total = len(req.prompt) + len(req.output)
-            c0, t0 = cpu(), clock()
-            common, matched, hit = mgr.request_match_blocks(task, block_size)
-            need = -(-total // block_size) - len(common)
-            if not mgr.can_allocate_gpu_blocks(need):
-                mgr.release_block_ids(task)
-                res["rejected"] += 1
-                res["cpu_s"] += cpu() - c0
-                continue
-            task.block_tables = common + mgr.allocate_gpu_blocks(need)
-            t1 = clock()
-            task.output_token_ids = req.output  # the engine's list, built outside the clock
-            mgr.update_cache_blocks(task, block_size, total)
-            t2 = clock()
-            mgr.release_block_ids(task)
-            mgr.recycle_gpu_blocks(task.block_tables[task.cached_block_num:])
-            t3 = clock()
-            res["cpu_s"] += cpu() - c0
-            res["served"] += 1
-            res["prompt_tokens"] += len(req.prompt)
-            res["prompt_blocks"] += -(-len(req.prompt) // block_size)
-            res["hit_tokens"]["gpu"] += hit["gpu_cache_blocks"] * block_size
-            res["hit_tokens"]["cpu"] += hit["cpu_cache_blocks"] * block_size
-            for key, s in zip(("allocate_us", "commit_us", "free_us"), (t1 - t0, t2 - t1, t3 - t2)):
-                res[key].append(s * 1e6)
+            _serve(mgr, req, block_size, res)
             if on_progress is not None:
                 on_progress(res["requests"], res)
     res["poll_sleeps"], res["poll_s"] = polls.sleeps, polls.slept_s
     return res
+
+
+def _serve(mgr, req, block_size: int, res: dict) -> None:
+    """One request as FastDeploy's V1 scheduler runs it: match (and swap in),
+    allocate the rest (evicting), cache every computed block, release."""
+    clock, cpu = time.perf_counter, time.process_time
+    task = SimpleNamespace(request_id=req.request_id, prompt_token_ids=req.prompt,
+                           output_token_ids=[], block_tables=[], cached_block_num=0)
+    total = len(req.prompt) + len(req.output)
+    c0, t0 = cpu(), clock()
+    common, _, hit = mgr.request_match_blocks(task, block_size)
+    need = -(-total // block_size) - len(common)
+    if not mgr.can_allocate_gpu_blocks(need):
+        mgr.release_block_ids(task)
+        res["rejected"] += 1
+        res["cpu_s"] += cpu() - c0
+        return
+    task.block_tables = common + mgr.allocate_gpu_blocks(need)
+    t1 = clock()
+    task.output_token_ids = req.output  # the engine's list, built outside the clock
+    mgr.update_cache_blocks(task, block_size, total)
+    t2 = clock()
+    mgr.release_block_ids(task)
+    mgr.recycle_gpu_blocks(task.block_tables[task.cached_block_num:])
+    t3 = clock()
+    res["cpu_s"] += cpu() - c0
+    res["served"] += 1
+    res["prompt_tokens"] += len(req.prompt)
+    res["prompt_blocks"] += -(-len(req.prompt) // block_size)
+    res["hit_tokens"]["gpu"] += hit["gpu_cache_blocks"] * block_size
+    res["hit_tokens"]["cpu"] += hit["cpu_cache_blocks"] * block_size
+    for key, s in zip(("allocate_us", "commit_us", "free_us"), (t1 - t0, t2 - t1, t3 - t2)):
+        res[key].append(s * 1e6)
