@@ -474,3 +474,24 @@ def test_small_swaps_take_the_native_path_and_give_the_same_bytes(workers_manage
     status = mgr.transfer.control("status")
     assert status["ok"]
     assert [status["ranks"][r]["fast"] for r in range(2)] == ([2, 2] if native else [0, 0])
+
+
+def test_a_pause_waits_until_the_copies_dones_went_out(tmp_path):
+    """A rank answers a pause only once every copy lane's Done was forwarded to
+    the coordinator, not merely once the copy finished: the lanes report on
+    separate sockets, so the control's answer could otherwise overtake a
+    copy's Done, and the engine would see the pause before that copy."""
+    from kvcached.transfer.worker import Worker
+    cfg = tiny_config(transfer_mode="workers", run_dir=str(tmp_path / "run"))
+    w = Worker(cfg, cfg.run_dir, 0, engine_pid=None)
+    w.lanes["in"].outstanding = w._owed = 1  # a swap_in finished, its Done not yet sent on
+    assert not w.lanes["in"].busy and w.lanes["in"].tasks.qsize() == 0
+    assert not w.wait_idle(0.05)
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: w.wait_idle(10) and returned.set())
+    waiter.start()
+    assert not returned.wait(0.2)  # still owed
+    w._forwarded("in")  # what the socket thread does once it sent the Done
+    assert returned.wait(10)
+    waiter.join(5)
+    assert w.lanes["in"].outstanding == 0 and w._owed == 0 and w.wait_idle(0)

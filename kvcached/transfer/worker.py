@@ -64,7 +64,8 @@ class Lane(threading.Thread):
         self.tasks: queue.Queue[tuple | None] = queue.Queue()
         self.busy = False
         # Tasks handed to this lane whose Done the socket thread has not yet
-        # forwarded; only the socket thread touches it, so "0" is race-free.
+        # forwarded; only the socket thread changes it, so "0" is race-free
+        # (a pause's wait_idle reads it, woken by each change).
         self.outstanding = 0
 
     def run(self) -> None:
@@ -81,7 +82,6 @@ class Lane(threading.Thread):
                     push.send_multipart([self.lane.encode(), self.worker.execute(*task)])
                 finally:
                     self.busy = False
-                    self.worker.idle_changed()
         finally:
             push.close()
 
@@ -183,9 +183,8 @@ class Worker:
         for ready_sock, _ in poller.poll(timeout_ms):
             if ready_sock is pull:
                 lane, done = pull.recv_multipart()
-                self.lanes[lane.decode()].outstanding -= 1
-                self._owed -= 1
                 self._send(sock, done)
+                self._forwarded(lane.decode())
             else:
                 code = self._on_coordinator_frame(sock, sock.recv())
                 if code is not None:
@@ -352,16 +351,22 @@ class Worker:
         from kvcached.transfer.control import apply_worker_control
         return apply_worker_control(self, args)
 
-    def idle_changed(self) -> None:
+    def _forwarded(self, lane: str) -> None:
+        """A lane's Done went out to the coordinator (socket thread only)."""
+        self.lanes[lane].outstanding -= 1
+        self._owed -= 1
         with self._idle:
             self._idle.notify_all()
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until the copy lanes finished every task they were sent."""
+        """Wait until the copy lanes finished every task they were sent and their
+        Dones went out. Finished is not enough: each lane reports on its own
+        socket, so a control's answer could overtake a copy's Done on the way
+        to the coordinator, and a pause would return before that copy shows
+        as done there."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
-            while any(self.lanes[n].busy or self.lanes[n].tasks.qsize()
-                      for n in ("out", "in")):
+            while any(self.lanes[n].outstanding for n in ("out", "in")):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
