@@ -24,21 +24,8 @@
  * The other attributes are kvcached.tree.PyNode's, with the same meaning:
  * plain object slots. PyNode is the fallback when this cannot be built.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "tree_node.h"
 #include <structmember.h>
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *hash, *parent, *children, *state, *gpu, *cpu, *in_storage, *ref, *last_access,
-        *depth, *n_gpu_children, *n_cpu_children, *busy, *gpu_key, *cpu_key, *input, *mkey;
-    PyObject *bykey; /* where children is a dict: memo key -> child (see memo_child) */
-    uint64_t mkey_raw; /* mkey as a C integer when has_mkey: the walk compares it unboxed */
-    int has_mkey;
-} Node;
-
-static PyTypeObject NodeType;
 static PyObject *default_state; /* Tier.STORAGE, set by set_default_state() */
 static Py_ssize_t live_nodes;   /* allocated and not yet freed: leak checks */
 
@@ -56,8 +43,6 @@ static PyMemberDef node_members[] = {
     MEMBER(n_gpu_children, "children in state GPU or SWAP_IN"),
     MEMBER(n_cpu_children, "children holding a CPU block"),
     MEMBER(busy, "background tasks reading the node's blocks"),
-    MEMBER(gpu_key, "live key in the GPU LRU, or None"),
-    MEMBER(cpu_key, "live key in the CPU LRU, or None"),
     MEMBER(input, "the bytes hashed into hash (the memo), or None"),
     {NULL, 0, 0, 0, NULL},
 };
@@ -86,8 +71,7 @@ static Node *make_node(PyTypeObject *type, PyObject *h, PyObject *parent, PyObje
     self->n_gpu_children = Py_NewRef(zero);
     self->n_cpu_children = Py_NewRef(zero);
     self->busy = zero;
-    self->gpu_key = Py_NewRef(Py_None);
-    self->cpu_key = Py_NewRef(Py_None);
+    self->lru[LRU_GPU].listed = self->lru[LRU_CPU].listed = 0;
     self->input = Py_NewRef(Py_None);
     self->mkey = Py_NewRef(Py_None);
     self->has_mkey = 0;
@@ -115,8 +99,6 @@ static void node_clear(Node *self) {
     Py_CLEAR(self->n_gpu_children);
     Py_CLEAR(self->n_cpu_children);
     Py_CLEAR(self->busy);
-    Py_CLEAR(self->gpu_key);
-    Py_CLEAR(self->cpu_key);
     Py_CLEAR(self->input);
     Py_CLEAR(self->mkey);
 }
@@ -179,8 +161,6 @@ static void node_dealloc(PyObject *op) {
 
 /* ------------------------------------------------------------ children */
 
-static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
-
 /* Whether `child` (a Node) is stored under `h`: its own hash. -1 on error. */
 static int keyed_by(PyObject *child, PyObject *h) {
     PyObject *own = ((Node *)child)->hash;
@@ -212,6 +192,7 @@ static PyObject *child_of(Node *self, PyObject *h) {
 }
 
 static PyObject *node_child(PyObject *op, PyObject *h) { return child_of((Node *)op, h); }
+PyObject *kvc_child_of(Node *self, PyObject *h) { return child_of(self, h); }
 
 /* A branching node finds its children by memo key too: bykey[child.mkey]. */
 static int index_key(Node *self, PyObject *child) {
@@ -314,37 +295,43 @@ static int link_child(Node *self, PyObject *h, PyObject *child) {
     return rc ? -1 : 0;
 }
 
-static PyObject *node_unlink_child(PyObject *op, PyObject *h) {
-    Node *self = (Node *)op;
+/* Remove the child under h; -1 with KeyError if there is none. */
+int kvc_unlink_child(Node *self, PyObject *h) {
     PyObject *c = self->children;
     if (is_node(c)) {
         int eq = keyed_by(c, h);
         if (eq < 0)
-            return NULL;
+            return -1;
         if (eq) {
             Py_CLEAR(self->children);
-            Py_RETURN_NONE;
+            return 0;
         }
     } else if (c != NULL) {
         PyObject *child = PyDict_GetItemWithError(c, h);
         if (child == NULL) {
             if (!PyErr_Occurred())
                 PyErr_SetObject(PyExc_KeyError, h);
-            return NULL;
+            return -1;
         }
         Py_INCREF(child);
         int rc = unindex_key(self, child) < 0 || PyDict_DelItem(c, h) < 0;
         Py_DECREF(child);
         if (rc)
-            return NULL;
+            return -1;
         if (PyDict_GET_SIZE(c) == 0) {
             Py_CLEAR(self->children);
             Py_CLEAR(self->bykey);
         }
-        Py_RETURN_NONE;
+        return 0;
     }
     PyErr_SetObject(PyExc_KeyError, h);
-    return NULL;
+    return -1;
+}
+
+static PyObject *node_unlink_child(PyObject *op, PyObject *h) {
+    if (kvc_unlink_child((Node *)op, h) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *node_child_nodes(PyObject *op, PyObject *unused) {
@@ -415,7 +402,60 @@ static int node_set_mkey(PyObject *op, PyObject *value, void *closure) {
     return 0;
 }
 
+/* gpu_key / cpu_key (closure: LRU_GPU / LRU_CPU): the node's live key in
+ * that tier's LeafLRU as one int, ``(hi << 64) | lo``, or None. Setting None
+ * unlists the node (the caller adjusts the LRU's size, as with PyNode);
+ * setting a key lists it under that key (undoing an unlist: the heap still
+ * holds the entry). The hot paths use the C fields directly. */
+static PyObject *node_get_key(PyObject *op, void *closure) {
+    lru_slot *k = &((Node *)op)->lru[(intptr_t)closure];
+    if (!k->listed)
+        Py_RETURN_NONE;
+    PyObject *hi = PyLong_FromUnsignedLongLong(k->hi), *lo = PyLong_FromUnsignedLongLong(k->lo);
+    PyObject *shift = PyLong_FromLong(64), *up = NULL, *out = NULL;
+    if (hi && lo && shift && (up = PyNumber_Lshift(hi, shift)) != NULL)
+        out = PyNumber_Or(up, lo);
+    Py_XDECREF(hi);
+    Py_XDECREF(lo);
+    Py_XDECREF(shift);
+    Py_XDECREF(up);
+    return out;
+}
+
+static int node_set_key(PyObject *op, PyObject *value, void *closure) {
+    lru_slot *k = &((Node *)op)->lru[(intptr_t)closure];
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "an LRU key cannot be deleted; set it to None");
+        return -1;
+    }
+    if (value == Py_None) {
+        k->listed = 0;
+        return 0;
+    }
+    if (!PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "an LRU key must be an int or None, got %.100s",
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    PyObject *shift = PyLong_FromLong(64), *hi_obj = NULL;
+    uint64_t lo = PyLong_AsUnsignedLongLongMask(value), hi = (uint64_t)-1;
+    if (shift != NULL && (hi_obj = PyNumber_Rshift(value, shift)) != NULL)
+        hi = PyLong_AsUnsignedLongLong(hi_obj); /* OverflowError when negative or >= 2**128 */
+    Py_XDECREF(shift);
+    Py_XDECREF(hi_obj);
+    if (hi == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    k->hi = hi;
+    k->lo = lo;
+    k->listed = 1;
+    return 0;
+}
+
 static PyGetSetDef node_getset[] = {
+    {"gpu_key", node_get_key, node_set_key, "live key in the GPU LRU, or None",
+     (void *)(intptr_t)LRU_GPU},
+    {"cpu_key", node_get_key, node_set_key, "live key in the CPU LRU, or None",
+     (void *)(intptr_t)LRU_CPU},
     {"n_children", node_n_children, NULL, "how many children the node has", NULL},
     {"mkey", node_get_mkey, node_set_mkey, "memo key while in the tree (an int), or None",
      NULL},
@@ -450,7 +490,7 @@ static PyObject *node_repr(PyObject *op) {
     return out;
 }
 
-static PyTypeObject NodeType = {
+PyTypeObject NodeType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvcached._tree_node.Node",
     .tp_basicsize = sizeof(Node),
@@ -479,15 +519,17 @@ static int ref_up(Node *node) {
     return v == 0;
 }
 
-/* Take node off an LRU: remember (node, key) in `unlisted`, set the key None. */
-static int unlist(Node *node, PyObject **key_slot, PyObject *unlisted) {
-    PyObject *pair = PyTuple_Pack(2, (PyObject *)node, *key_slot);
+/* Take node off LRU `which`: remember (node, key) in `unlisted`, unlist it. */
+static int unlist(Node *node, int which, PyObject *unlisted) {
+    PyObject *key = node_get_key((PyObject *)node, (void *)(intptr_t)which);
+    PyObject *pair = key == NULL ? NULL : PyTuple_Pack(2, (PyObject *)node, key);
+    Py_XDECREF(key);
     if (pair == NULL || PyList_Append(unlisted, pair) < 0) {
         Py_XDECREF(pair);
         return -1;
     }
     Py_DECREF(pair);
-    Py_SETREF(*key_slot, Py_NewRef(Py_None));
+    node->lru[which].listed = 0;
     return 0;
 }
 
@@ -523,13 +565,13 @@ static PyObject *match_ref(PyObject *module, PyObject *const *args, Py_ssize_t n
             break;
         }
         Py_SETREF(node, (Node *)child);
-        if (!node->ref || !node->gpu || !node->gpu_key || !node->cpu_key) {
+        if (!node->ref || !node->gpu) {
             PyErr_SetString(PyExc_AttributeError, "match_ref: a node's attribute was deleted");
             goto fail;
         }
         int was_idle = ref_up(node);
-        if (was_idle < 0 || (was_idle && node->gpu_key != Py_None &&
-                             unlist(node, &node->gpu_key, gpu_unlisted) < 0))
+        if (was_idle < 0 || (was_idle && node->lru[LRU_GPU].listed &&
+                             unlist(node, LRU_GPU, gpu_unlisted) < 0))
             goto fail;
         idle += was_idle;
         if (PyList_Append(out, (PyObject *)node) < 0 || PyList_Append(gpu_ids, node->gpu) < 0)
@@ -545,11 +587,11 @@ static PyObject *match_ref(PyObject *module, PyObject *const *args, Py_ssize_t n
             break;
         }
         Py_SETREF(node, (Node *)child);
-        if (!node->ref || !node->cpu_key) {
+        if (!node->ref) {
             PyErr_SetString(PyExc_AttributeError, "match_ref: a node's attribute was deleted");
             goto fail;
         }
-        if ((node->cpu_key != Py_None && unlist(node, &node->cpu_key, cpu_unlisted) < 0) ||
+        if ((node->lru[LRU_CPU].listed && unlist(node, LRU_CPU, cpu_unlisted) < 0) ||
             ref_up(node) < 0 || PyList_Append(out, (PyObject *)node) < 0)
             goto fail;
     }
@@ -641,7 +683,7 @@ fail:
 /* ---------------------------------------------------------- insert_new */
 
 /* *slot += d for an int slot; -1 on error. */
-static int add_to(PyObject **slot, long d) {
+int kvc_add_to(PyObject **slot, long d) {
     long v = PyLong_AsLong(*slot);
     if (v == -1 && PyErr_Occurred())
         return -1;
@@ -672,7 +714,7 @@ static Node *new_gpu_child(Node *parent, PyObject *h, PyObject *block, PyObject 
         Py_SETREF(node->input, Py_NewRef(record));
     if ((record != NULL && node_set_mkey((PyObject *)node, key, NULL) < 0) ||
         link_child(parent, h, (PyObject *)node) < 0 ||
-        add_to(&parent->n_gpu_children, 1) < 0) {
+        kvc_add_to(&parent->n_gpu_children, 1) < 0) {
         Py_DECREF(node);
         return NULL;
     }
@@ -787,7 +829,8 @@ PyMODINIT_FUNC PyInit__tree_node(void) {
         return NULL;
     PyObject *api = PyCapsule_New(&node_api, "kvcached._tree_node.node_api", NULL);
     if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0 || api == NULL ||
-        PyModule_AddObject(m, "node_api", api) < 0) {
+        PyModule_AddObject(m, "node_api", api) < 0 || kvc_add_lru_types(m) < 0 ||
+        kvc_add_evict_functions(m) < 0) {
         Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;

@@ -18,8 +18,16 @@ import logging
 
 from kvcached.errors import TransferFailed
 from kvcached.fetch import task_error
+from kvcached.pool import BlockPool
 from kvcached.transfer.base import Task
-from kvcached.tree import Node, Tier, native_unref_path
+from kvcached.tree import (
+    LeafLRU,
+    Node,
+    Tier,
+    native_evict_gpu,
+    native_land_swap_out,
+    native_unref_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +63,17 @@ class EvictionMixin:
         freed = 0
         lru = self.tree.gpu_lru
         leaf = None  # the last victim's parent when it became a GPU leaf, not yet listed
+        fast = self._native_eviction()
         while freed < count:
+            if fast:  # the same steps in C, back here for a flush or an empty LRU
+                freed, leaf, status = self._evict_gpu_native(batch, copies, freed, count,
+                                                             leaf, swap)
+                if status == _FLUSH:
+                    self._swap_out(batch, copies)
+                    batch, copies = [], []
+                    continue
+                if freed >= count:
+                    break
             node, leaf = lru.push_pop(leaf), None
             if node is None:
                 # Idle blocks still being written through to storage: let them land.
@@ -84,6 +102,29 @@ class EvictionMixin:
             lru.add(leaf)
         if batch:
             self._swap_out(batch, copies)
+
+    def _native_eviction(self) -> bool:
+        """Whether eviction's loops run in C: native nodes, pools and LRUs, and no
+        KV events to publish per block (the Python loops are the reference)."""
+        return native_evict_gpu is not None and self._events is None and \
+            isinstance(self.tree.gpu_lru, LeafLRU) and isinstance(self.gpu_pool, BlockPool)
+
+    def _evict_gpu_native(self, batch: list[Node], copies: list[Node], freed: int, count: int,
+                          leaf: Node | None, swap: bool) -> tuple[int, Node | None, int]:
+        """``native_evict_gpu`` from the loop's state; what it did is counted even
+        when it stops on an error."""
+        tree, counts = self.tree, [0, 0, 0, 0]
+        try:
+            return native_evict_gpu(self, tree.gpu_lru, tree.cpu_lru, self.gpu_pool,
+                                    self.cpu_pool, counts, batch, copies, freed, count, leaf,
+                                    swap)
+        finally:
+            idle, gpu_dropped, cpu_dropped, removed = counts
+            self._n_gpu_idle += idle
+            tree.num_nodes -= removed
+            for key, n in (("gpu_dropped", gpu_dropped), ("cpu_dropped", cpu_dropped)):
+                if n:
+                    self._counters.evictions[key] += n
 
     def _swap_out(self, batch: list[Node], copies: list[Node]) -> None:
         """Move ``batch`` to the CPU tier, copying ``copies``; their GPU blocks are
@@ -129,6 +170,11 @@ class EvictionMixin:
     def _land_swap_out(self, batch: list[Node]) -> None:
         """Every rank holds ``batch`` in host blocks: SWAP_OUT -> CPU, GPU blocks freed
         (``_release_gpu(n, CPU)`` per node, with the LRU test inlined)."""
+        if self._native_eviction():
+            tree = self.tree
+            native_land_swap_out(self, tree.gpu_lru, tree.cpu_lru, self.gpu_pool, self.cpu_pool,
+                                 batch)
+            return
         cpu_lru, events, CPU = self.tree.cpu_lru, self._events, Tier.CPU
         free_one = self.gpu_pool.free_one
         for n in batch:
@@ -169,6 +215,8 @@ class EvictionMixin:
         self._counters.evictions["gpu_dropped"] += 1
         if not node.in_storage:
             self._remove(node)
+        elif node.n_cpu_children:
+            self._drop_cpu_below(node)
 
     def _drop_gpu_leaf(self, node: Node) -> Node | None:
         """``_drop_gpu`` for a leaf just popped off the GPU LRU, with no CPU copy
@@ -191,7 +239,17 @@ class EvictionMixin:
             else:  # tree.remove for a leaf in no LRU (no CPU copy: never in the CPU one)
                 parent.unlink_child(node.hash)
                 self.tree.num_nodes -= 1
+        elif node.n_cpu_children:
+            self._drop_cpu_below(node)
         return parent if _new_gpu_leaf(parent) else None
+
+    def _drop_cpu_below(self, node: Node) -> None:
+        """``node`` just lost its last local copy but stays for storage: the CPU
+        copies below it are unreachable now (a match stops at a STORAGE node),
+        so they go too, deepest first (a parent after its children)."""
+        below = [n for n in _subtree(node) if n is not node and n.cpu >= 0]
+        for n in sorted(below, key=lambda n: -n.depth):
+            self._drop_cpu(n)
 
     def _remove(self, node: Node) -> None:
         """Unlink a node that holds no copy; CPU copies below it (unreachable
@@ -343,6 +401,9 @@ class EvictionMixin:
         elif n.cpu_key is not None:
             n.cpu_key = None
             tree.cpu_lru.size -= 1
+
+
+_FLUSH = 1  # native_evict_gpu's status: land this batch, then go on
 
 
 def unref_path_py(nodes: list[Node], clock: int, GPU: Tier) -> tuple[int, list[Node]]:

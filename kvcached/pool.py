@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 
-class BlockPool:
+class PyBlockPool:
     """Free list of ids ``0..num_blocks-1``; allocation takes the oldest freed id first."""
 
     __slots__ = ("name", "num_blocks", "_free", "_is_free")
@@ -78,3 +78,14 @@ class BlockPool:
 
     def free_ids(self) -> list[int]:
         return list(self._free)
+
+
+def _native_pool() -> type | None:
+    from kvcached.tree import _native
+    return _native.BlockPool if _native else None
+
+
+# What the manager uses: the C pool of cuda/block_pool.c (the same contract;
+# native eviction takes and frees blocks in it without a Python call) where
+# the native tree builds, else PyBlockPool.
+BlockPool = _native_pool() or PyBlockPool

@@ -108,11 +108,14 @@ class PyNode:
 def _native_module() -> tuple[ModuleType | None, str | None]:
     """``(cuda/tree_node.c's module, None)``, or ``(None, why)`` for PyNode."""
     from kvcached.copy import native_build
-    source = Path(__file__).resolve().parents[1] / "cuda" / "tree_node.c"
+    cuda = Path(__file__).resolve().parents[1] / "cuda"
+    sources = [cuda / f for f in ("tree_node.c", "leaf_lru.c", "block_pool.c", "tree_evict.c")]
     mod, why = native_build.try_import_extension(
-        "kvcached._tree_node", source, "kvc_tree_node", "native tree nodes")
+        "kvcached._tree_node", sources, "kvc_tree_node", "native tree nodes",
+        headers=[cuda / "tree_node.h"])
     if mod is not None:
         mod.set_default_state(Tier.STORAGE)
+        mod.set_states(Tier.GPU, Tier.SWAP_OUT, Tier.CPU, Tier.STORAGE)
         from kvcached import hashing
         hashing.register_node_api(mod.node_api)  # the memo walk reads these nodes directly
     return mod, why
@@ -126,9 +129,12 @@ native_match_ref = _native.match_ref if _native else None
 native_unref_path = _native.unref_path if _native else None
 # CacheManager._insert's loop over new blocks in C, for native nodes (None: Python).
 native_insert_new = _native.insert_new if _native else None
+# EvictionMixin._evict_gpu's loop and _land_swap_out in C (None: Python).
+native_evict_gpu = _native.evict_gpu if _native else None
+native_land_swap_out = _native.land_swap_out if _native else None
 
 
-class LeafLRU:
+class PyLeafLRU:
     """Evictable leaves of one tier, oldest first; ties evict the deeper node first.
 
     A heap of ``(key, node)`` with lazy deletion. Each node carries its live
@@ -217,10 +223,19 @@ class LeafLRU:
         slot = self.slot
         return {n for k, n in self._heap if getattr(n, slot) == k}
 
+    def heap_len(self) -> int:
+        """Heap entries, stale ones included."""
+        return len(self._heap)
+
     def _compact(self) -> None:
         slot = self.slot
         self._heap[:] = [(k, n) for k, n in self._heap if getattr(n, slot) == k]
         heapq.heapify(self._heap)
+
+
+# What BlockTree uses: the C LeafLRU (cuda/leaf_lru.c, the same contract, keys
+# compared unboxed) for native nodes, PyLeafLRU for PyNode.
+LeafLRU = _native.LeafLRU if _native else PyLeafLRU
 
 
 # LRU key layout: last_access above 64 bits of (inverted depth, insertion

@@ -77,3 +77,28 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def running_workload(mgr, seed: int, steps: int = 300):
+    """Serve random prompts of shared prefixes, keeping 1-3 requests running;
+    after each served request yields ``(step, rng, running request ids)``."""
+    import random
+
+    from conftest import toks
+
+    from kvcached import NoFreeBlocks
+    rng, held = random.Random(seed), []
+    for i in range(steps):
+        prompt = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))], tail=1)
+        try:
+            a = mgr.allocate(i, prompt)
+        except NoFreeBlocks:  # running requests hold the GPU
+            if held:
+                mgr.free(held.pop(0))
+            continue
+        a.wait()
+        mgr.commit(i, prompt, len(prompt))
+        held.append(i)
+        yield i, rng, held
+        if len(held) > rng.randrange(1, 4):
+            mgr.free(held.pop(0))

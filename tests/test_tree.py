@@ -1,19 +1,46 @@
-"""LeafLRU: the per-tier heap of evictable leaves (order, re-keying, lazy deletion)."""
+"""LeafLRU: the per-tier heap of evictable leaves (order, re-keying, lazy deletion).
+
+Every test runs on the C LeafLRU (with native nodes) and on PyLeafLRU, the
+reference (with PyNode and with native nodes)."""
 
 from __future__ import annotations
 
 import random
 
-from kvcached.tree import LeafLRU, Node, lru_key
+import pytest
+
+from kvcached import tree
+from kvcached.tree import Node, PyLeafLRU, PyNode, lru_key
+
+IMPLS = [(PyLeafLRU, PyNode), (PyLeafLRU, tree.Node)]
+if tree._native is not None:
+    IMPLS.append((tree._native.LeafLRU, tree._native.Node))
+
+
+@pytest.fixture(params=IMPLS, ids=lambda p: f"{p[0].__module__}.{p[0].__name__}/{p[1].__name__}")
+def impl(request):
+    return request.param
+
+
+def LeafLRU(slot: str):  # noqa: N802 - stands for the class under test
+    return _impl[0](slot)
 
 
 def node(last_access: int, depth: int = 1) -> Node:
-    n = Node(bytes([depth % 256]), None, depth)
+    n = _impl[1](bytes([depth % 256]), None, depth)
     n.last_access = last_access
     return n
 
 
-def drain(lru: LeafLRU) -> list[Node]:
+_impl = IMPLS[0]
+
+
+@pytest.fixture(autouse=True)
+def _use(impl, monkeypatch):
+    monkeypatch.setitem(globals(), "_impl", impl)
+
+
+def drain(lru) -> list[Node]:
     out = []
     while (n := lru.pop()) is not None:
         out.append(n)
@@ -65,7 +92,7 @@ def test_compaction_keeps_exactly_the_live_nodes():
         for n in nodes:
             n.last_access += 100
             lru.add(n)
-    assert len(lru._heap) <= 2 * len(lru) + 64
+    assert lru.heap_len() <= 2 * len(lru) + 64
     assert lru.nodes() == set(nodes)
     assert drain(lru) == nodes
 
@@ -131,8 +158,23 @@ def test_push_pop_returns_an_older_node_without_listing_it():
     a, b = node(5), node(2)
     lru.add(a)
     assert lru.push_pop(b) is b  # older than everything listed
-    assert b.gpu_key is None and len(lru) == 1 and len(lru._heap) == 1
+    assert b.gpu_key is None and len(lru) == 1 and lru.heap_len() == 1
     c = node(9)
     assert lru.push_pop(c) is a  # newer: listed, and the oldest comes out
     assert c in lru and len(lru) == 1
     assert lru.push_pop(None) is c and lru.push_pop(None) is None
+
+
+def test_the_c_lru_refuses_what_it_cannot_key():
+    if tree._native is None:
+        pytest.skip("no native tree")
+    with pytest.raises(ValueError, match="slot must be 'gpu_key' or 'cpu_key'"):
+        tree._native.LeafLRU("key")
+    lru = tree._native.LeafLRU("gpu_key")
+    with pytest.raises(TypeError, match="needs a native Node"):
+        lru.add(PyNode(b"x", None, 1))
+    n = tree._native.Node(b"x", None, 1)
+    n.last_access = -1  # a clock never goes negative; the key cannot hold it
+    with pytest.raises(OverflowError):
+        lru.add(n)
+    assert len(lru) == 0 and lru.heap_len() == 0 and n.gpu_key is None

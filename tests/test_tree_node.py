@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import running_workload
 
 import kvcached.tree as tree_mod
 from kvcached.tree import BlockTree, PyNode, Tier
@@ -233,31 +234,6 @@ def test_a_dropped_manager_leaves_no_node_behind(native_node, tmp_path, tiers):
         del mgr
         gc.collect()  # the manager itself sits in ordinary cycles (threads, callbacks)
         assert native_node.live() == live, f"run {run}: nodes leaked"
-
-
-def running_workload(mgr, seed: int, steps: int = 300):
-    """Serve random prompts of shared prefixes, keeping 1-3 requests running;
-    after each served request yields ``(step, rng, running request ids)``."""
-    import random
-
-    from conftest import toks
-
-    from kvcached import NoFreeBlocks
-    rng, held = random.Random(seed), []
-    for i in range(steps):
-        prompt = toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))], tail=1)
-        try:
-            a = mgr.allocate(i, prompt)
-        except NoFreeBlocks:  # running requests hold the GPU
-            if held:
-                mgr.free(held.pop(0))
-            continue
-        a.wait()
-        mgr.commit(i, prompt, len(prompt))
-        held.append(i)
-        yield i, rng, held
-        if len(held) > rng.randrange(1, 4):
-            mgr.free(held.pop(0))
 
 
 def compare_native(mgr, fields: tuple[str, ...], native, python, *args):

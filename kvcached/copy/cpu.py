@@ -390,15 +390,21 @@ def _check_range(ids: np.ndarray, limit: int, side: str) -> None:
 
 def _check_unique(ids: np.ndarray, side: str) -> None:
     """Destinations must be distinct: two sources into one block is an upstream bug
-    (two owners of one block), and with threads it would be a data race."""
+    (two owners of one block), and with threads it would be a data race.
+
+    A set of Python ints: for the short lists tasks carry it is several times
+    cheaper than numpy's sort (a 28-id stable argsort took ~14 us)."""
     if ids.size < 2:
         return
-    order = np.argsort(ids, kind="stable")
-    dup = np.flatnonzero(ids[order[1:]] == ids[order[:-1]])
-    if dup.size:
-        first, second = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
-        raise ValueError(f"{side} block id {int(ids[first])} is a destination twice "
-                         f"(indices {first} and {second}); destination ids must be distinct")
+    listed = ids.tolist()
+    if len(set(listed)) == len(listed):
+        return
+    first_seen: dict[int, int] = {}
+    for i, b in enumerate(listed):
+        if b in first_seen:
+            raise ValueError(f"{side} block id {b} is a destination twice (indices "
+                             f"{first_seen[b]} and {i}); destination ids must be distinct")
+        first_seen[b] = i
 
 
 def _runs(dev: np.ndarray, host: np.ndarray) -> list[tuple[int, int, int]]:

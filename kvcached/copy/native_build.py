@@ -61,8 +61,12 @@ def find_compiler(candidates: Sequence[str] = COMPILER_CANDIDATES) -> str | None
 
 def build_shared_library(name: str, sources: Sequence[str | os.PathLike],
                          compiler_cmd: Sequence[str] | str | None = None,
-                         flags: Sequence[str] = DEFAULT_FLAGS) -> Path:
+                         flags: Sequence[str] = DEFAULT_FLAGS,
+                         headers: Sequence[str | os.PathLike] = ()) -> Path:
     """Compile ``sources`` into ``<cache>/<name>-<hash>.so`` unless already built; return it.
+
+    ``headers`` the sources include are part of the hash (not compiled), so an
+    edited header rebuilds too.
 
     ``compiler_cmd`` is the compiler and any leading arguments (``["nvcc"]``,
     ``"gcc"``); None picks ``$CC``, ``cc`` or ``gcc``. Raises CompilerNotFound
@@ -71,11 +75,12 @@ def build_shared_library(name: str, sources: Sequence[str | os.PathLike],
     """
     cmd = _resolve_compiler(compiler_cmd)
     srcs = [Path(s).resolve() for s in sources]
-    for s in srcs:
+    hdrs = [Path(h).resolve() for h in headers]
+    for s in (*srcs, *hdrs):
         if not s.is_file():
             raise FileNotFoundError(f"native source {s} does not exist")
     out_dir = cache_dir()
-    target = out_dir / f"{name}-{_build_key(cmd, srcs, flags)}.so"
+    target = out_dir / f"{name}-{_build_key(cmd, [*srcs, *hdrs], flags)}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,9 +88,11 @@ def build_shared_library(name: str, sources: Sequence[str | os.PathLike],
     return target
 
 
-def import_extension(module: str, source: str | os.PathLike, stem: str) -> ModuleType:
+def import_extension(module: str, source: str | os.PathLike | Sequence[str | os.PathLike],
+                     stem: str, headers: Sequence[str | os.PathLike] = ()) -> ModuleType:
     """Build ``source`` (a CPython extension whose ``PyInit_`` matches the last part
-    of ``module``) into ``<cache>/<stem><abi>-<hash>.so`` unless already built, and
+    of ``module``; or a list of the files that make it up, with the ``headers``
+    they share) into ``<cache>/<stem><abi>-<hash>.so`` unless already built, and
     load it. Raises like ``build_shared_library``, and CompilerNotFound when the
     Python headers are missing, ImportError when the library does not load."""
     include = sysconfig.get_paths()["include"]
@@ -98,7 +105,8 @@ def import_extension(module: str, source: str | os.PathLike, stem: str) -> Modul
         flags += ["-undefined", "dynamic_lookup"]
     # The ABI tag goes into the file name: another Python gets its own build.
     tag = (sysconfig.get_config_var("EXT_SUFFIX") or ".so").removesuffix(".so")
-    path = build_shared_library(f"{stem}{tag}", [source], flags=flags)
+    sources = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    path = build_shared_library(f"{stem}{tag}", sources, flags=flags, headers=headers)
     loader = importlib.machinery.ExtensionFileLoader(module, str(path))
     spec = importlib.util.spec_from_file_location(module, path, loader=loader)
     if spec is None:
@@ -113,15 +121,16 @@ def native_disabled() -> bool:
     return os.environ.get("KVCACHED_NO_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def try_import_extension(module: str, source: str | os.PathLike, stem: str,
-                         what: str) -> tuple[ModuleType | None, str | None]:
+def try_import_extension(module: str, source: str | os.PathLike | Sequence[str | os.PathLike],
+                         stem: str, what: str, headers: Sequence[str | os.PathLike] = ()
+                         ) -> tuple[ModuleType | None, str | None]:
     """``(import_extension(...), None)``, or ``(None, why)`` when ``KVCACHED_NO_NATIVE``
     is set or the build or load fails; a failure is logged once, as a warning
     that names ``what`` falls back to its Python path."""
     if native_disabled():
         return None, "disabled by KVCACHED_NO_NATIVE"
     try:
-        return import_extension(module, source, stem), None
+        return import_extension(module, source, stem, headers), None
     except (OSError, RuntimeError, ImportError) as e:
         why = f"{type(e).__name__}: {e}"
         logger.warning("%s unavailable, using the slower Python path (same results): %s",

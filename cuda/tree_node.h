@@ -1,0 +1,77 @@
+/* What the files of kvcached._tree_node share (tree_node.c: the Node type and
+ * the module; block_pool.c: BlockPool; leaf_lru.c: LeafLRU; tree_evict.c:
+ * eviction's hot loops). One extension, built from all of them: the
+ * eviction loop reads nodes, pools and heaps without a Python call. */
+#ifndef KVC_TREE_NODE_H
+#define KVC_TREE_NODE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* A node's place in one LeafLRU: the live key (last_access, then inverted
+ * depth and insertion order: see kvcached.tree.lru_key), or not listed. */
+typedef struct {
+    uint64_t hi, lo;
+    int listed;
+} lru_slot;
+
+enum { LRU_GPU = 0, LRU_CPU = 1 }; /* Node.lru[]: gpu_key, cpu_key */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *hash, *parent, *children, *state, *gpu, *cpu, *in_storage, *ref, *last_access,
+        *depth, *n_gpu_children, *n_cpu_children, *busy, *input, *mkey;
+    PyObject *bykey; /* where children is a dict: memo key -> child (see memo_child) */
+    uint64_t mkey_raw; /* mkey as a C integer when has_mkey: the walk compares it unboxed */
+    int has_mkey;
+    lru_slot lru[2];
+} Node;
+
+extern PyTypeObject NodeType;
+static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
+
+/* tree_node.c */
+PyObject *kvc_child_of(Node *self, PyObject *h);       /* new ref, None, or NULL */
+int kvc_unlink_child(Node *self, PyObject *h);         /* -1 on error */
+int kvc_add_to(PyObject **slot, long d);               /* *slot += d; -1 on error */
+
+/* A LeafLRU: a binary heap of (key, node) with lazy deletion (leaf_lru.c). */
+typedef struct {
+    uint64_t hi, lo;
+    Node *node; /* a strong reference */
+} lru_entry;
+
+typedef struct {
+    PyObject_HEAD
+    int which; /* LRU_GPU or LRU_CPU: the node slot it keys */
+    Py_ssize_t size; /* live nodes */
+    lru_entry *heap;
+    Py_ssize_t len, cap;
+    uint64_t seq;
+    PyObject *slot; /* "gpu_key" or "cpu_key" */
+} LeafLRU;
+
+extern PyTypeObject LeafLRUType;
+int kvc_lru_add(LeafLRU *lru, Node *node);              /* -1 on error */
+void kvc_lru_discard(LeafLRU *lru, Node *node);
+Node *kvc_lru_pop(LeafLRU *lru);                        /* new ref or NULL (empty) */
+Node *kvc_lru_push_pop(LeafLRU *lru, Node *node);       /* new ref, NULL: empty or error */
+
+/* BlockPool: one tier's free block ids, a FIFO ring (block_pool.c). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *name;
+    Py_ssize_t num_blocks, head, count; /* free ids: ring[head .. head+count) */
+    int32_t *ring;
+    uint8_t *is_free;
+} BlockPool;
+
+extern PyTypeObject BlockPoolType;
+int kvc_pool_free_one(BlockPool *pool, Py_ssize_t b);  /* -1 (ValueError) on a bad id */
+Py_ssize_t kvc_pool_take_one(BlockPool *pool);         /* -1 when empty (no error set) */
+
+int kvc_add_lru_types(PyObject *module);
+int kvc_add_evict_functions(PyObject *module);
+
+#endif
