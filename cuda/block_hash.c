@@ -830,6 +830,36 @@ static int hash_block(uint64_t key, const uint8_t *prev, Py_ssize_t prev_len, co
  * cache misses overlap. Then the walk: per block one child lookup and one
  * compare against the node's record, the only pointer chasing left; after
  * the first miss, BLAKE2b. */
+/* chain_memo's working memory (~100 KB for a long prompt), kept between
+ * calls: a fresh malloc of that size each call showed up in profiles. The
+ * GIL is held throughout, so one buffer serves every thread; a nested call
+ * (none is known) gets its own. */
+static uint8_t *scratch;
+static size_t scratch_cap;
+static int scratch_busy;
+
+static uint8_t *scratch_take(size_t n) {
+    if (scratch_busy)
+        return PyMem_Malloc(n ? n : 1);
+    if (n > scratch_cap) {
+        size_t cap = n > 2 * scratch_cap ? n : 2 * scratch_cap;
+        uint8_t *grown = PyMem_Realloc(scratch, cap);
+        if (grown == NULL)
+            return NULL;
+        scratch = grown;
+        scratch_cap = cap;
+    }
+    scratch_busy = 1;
+    return scratch;
+}
+
+static void scratch_give(uint8_t *p) {
+    if (p == scratch)
+        scratch_busy = 0;
+    else
+        PyMem_Free(p);
+}
+
 static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObject *seq,
                                  const int64_t *arr, Py_ssize_t block_size,
                                  const uint8_t *extra, Py_ssize_t extra_len, Py_ssize_t start,
@@ -839,13 +869,15 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
     /* tree mode: the walk position (None: no memo; a dict: flat, no position) */
     PyObject *pos = PyDict_Check(memo) || memo == Py_None ? NULL : Py_NewRef(memo);
     int use_memo = memo != Py_None;
-    uint8_t *recs = PyMem_Malloc((size_t)(n * stride));
-    uint8_t *wide = PyMem_Malloc((size_t)(parent_len + stride));
-    Py_ssize_t *lens = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)n);
-    uint64_t *keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    /* keys, lens, records, then the scratch input, in one buffer */
+    size_t rec_bytes = (size_t)(n * stride), wide_bytes = (size_t)(parent_len + stride);
+    uint8_t *mem = scratch_take(16 * (size_t)n + rec_bytes + wide_bytes);
+    uint64_t *keys = (uint64_t *)mem;
+    Py_ssize_t *lens = (Py_ssize_t *)(mem + 8 * (size_t)n);
+    uint8_t *recs = mem + 16 * (size_t)n, *wide = recs + rec_bytes;
     PyObject *out[3] = {PyList_New(n), PyList_New(n), PyList_New(n)};
-    if (!recs || !wide || !lens || !keys || !out[0] || !out[1] || !out[2]) {
-        if (!recs || !wide || !lens || !keys) PyErr_NoMemory();
+    if (mem == NULL || !out[0] || !out[1] || !out[2]) {
+        if (mem == NULL) PyErr_NoMemory();
         goto fail;
     }
     for (Py_ssize_t b = 0; b < n; b++) {
@@ -880,19 +912,13 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
         prev_len = DIGEST;
     }
     Py_XDECREF(pos);
-    PyMem_Free(recs);
-    PyMem_Free(wide);
-    PyMem_Free(lens);
-    PyMem_Free(keys);
+    scratch_give(mem);
     PyObject *result = PyTuple_Pack(3, out[0], out[1], out[2]);
     for (int i = 0; i < 3; i++) Py_DECREF(out[i]);
     return result;
 fail:
     Py_XDECREF(pos);
-    PyMem_Free(recs);
-    PyMem_Free(wide);
-    PyMem_Free(lens);
-    PyMem_Free(keys);
+    scratch_give(mem);
     for (int i = 0; i < 3; i++) Py_XDECREF(out[i]);
     return NULL;
 }
