@@ -413,3 +413,16 @@ def test_random_memos_never_change_a_hash(native, seed):
             flat[rng.choice(keys) ^ 1] = Entry(x, h)
             remembered.add(id(x))
     assert hits > 30  # the shared stems were found again, in both kinds of memo
+
+
+def test_a_failed_walk_leaves_the_working_buffer_usable(native):
+    """chain_memo keeps its working memory between calls: a call that fails
+    midway (a bad token in block 3) must hand it back, and later calls, short
+    and long, hash exactly as block_hashes does."""
+    good = tokens(4, 40 * BS)
+    bad = good[:3 * BS] + [None] + good[3 * BS + 1:]
+    with pytest.raises(TypeError, match="token 48 is a NoneType"):
+        native.chain_memo(NS, bad, BS, b"", 0, 40, {})
+    for n in (40, 2, 40, 400):
+        toks = tokens(n, n * BS)
+        assert block_hashes_memo(NS, toks, BS, None, {})[0] == block_hashes(NS, toks, BS)
