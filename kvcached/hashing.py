@@ -112,7 +112,7 @@ def block_hashes_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
         stop = full if stop is None else min(stop, full)
         if stop <= start:
             return [], [], []
-        extra = _extra_bytes(extra_key)
+        extra = b"" if extra_key is None else _extra_bytes(extra_key)
         try:
             if isinstance(token_ids, (list, tuple)):
                 return mod.chain_memo(parent, token_ids, block_size, extra, start, stop, memo)

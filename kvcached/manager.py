@@ -233,11 +233,12 @@ class CacheManager(EvictionMixin, FetchMixin):
                 self._counters.no_free_blocks += 1
                 raise NoFreeBlocks(need, avail)
             self._clock += 1
-            try:
-                self._make_room(need)
-            except BaseException:
-                self._unref_path(matched)
-                raise
+            if need > self.gpu_pool.num_free:
+                try:
+                    self._make_room(need)
+                except BaseException:
+                    self._unref_path(matched)
+                    raise
             gpu_ids.extend(self.gpu_pool.allocate(need))
             return self._finish_allocate(req, matched, n_gpu, gpu_ids)
 
@@ -284,13 +285,15 @@ class CacheManager(EvictionMixin, FetchMixin):
         new = blocks[n_gpu:]
         req.blocks = blocks
         req.nodes = matched  # the request owns the list from here on
-        req.alloc = Allocation(req.rid, req.blocks, 0, HitInfo(), [], self._wait_allocation)
+        req.alloc = Allocation(req.rid, req.blocks, 0, _NO_HIT, [], self._wait_allocation)
         if swap:
             self._plan_swap_in(req, swap, new[:len(swap)])
-        parent = matched[-1] if matched else self.tree.root
-        limit = (req.num_tokens - 1) // bs
-        loads = self._plan_load(req, parent, len(matched), limit, new[len(swap):])
-        req.nodes.extend(loads)
+        loads = []
+        if self.cfg.storage_backend:
+            parent = matched[-1] if matched else self.tree.root
+            limit = (req.num_tokens - 1) // bs
+            loads = self._plan_load(req, parent, len(matched), limit, new[len(swap):])
+            req.nodes.extend(loads)
         hit = HitInfo(n_gpu * bs, len(swap) * bs, len(loads) * bs)
         req.alloc.num_cached_tokens = len(req.nodes) * bs
         req.alloc.hit = hit
@@ -331,7 +334,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         with self._lock:
             self._reap()
             req = self._get(request_id)
-            if not req.alloc.ready:
+            if req.alloc._handles and not req.alloc.ready:
                 raise RuntimeError(f"request {request_id!r} still has transfers in flight; "
                                    "call Allocation.wait() before computing and committing")
             bs = self.block_size
@@ -347,7 +350,8 @@ class CacheManager(EvictionMixin, FetchMixin):
                 self._extend_hashes(req, token_ids, full)
                 start = len(req.nodes)
                 self._insert(req, full)
-                self._write_through(req.nodes[start:])
+                if self.cfg.storage_backend:
+                    self._write_through(req.nodes[start:])
             return req.blocks
 
     def _extend_hashes(self, req: _Request, token_ids: Sequence[int], full: int) -> None:
@@ -438,6 +442,8 @@ class CacheManager(EvictionMixin, FetchMixin):
         return h
 
     def _await(self, handles: list[TaskHandle], timeout: float) -> list[TaskResult]:
+        if not handles:
+            return []
         deadline = time.monotonic() + timeout
         for h in handles:
             if not h.wait(max(0.0, deadline - time.monotonic())):
@@ -463,10 +469,11 @@ class CacheManager(EvictionMixin, FetchMixin):
             self._disable_cpu_tier()
 
     def _wait_allocation(self, alloc: Allocation, timeout: float | None) -> None:
-        limit = self.cfg.task_timeout_s + 5.0 if timeout is None else timeout
-        self._await(alloc._handles, limit)
-        with self._lock:
-            self._reap()
+        if alloc._handles:  # else nothing is in flight for it: nothing to wait for or apply
+            limit = self.cfg.task_timeout_s + 5.0 if timeout is None else timeout
+            self._await(alloc._handles, limit)
+            with self._lock:
+                self._reap()
         if alloc.error is not None:
             raise alloc.error
 
@@ -688,6 +695,7 @@ def match_ref_py(root: Node, hashes: list[bytes], limit: int, GPU: Tier, CPU: Ti
 
 
 _MATCH_REF = native_match_ref or match_ref_py
+_NO_HIT = HitInfo()  # an allocation's hit until it is known (frozen: one serves all)
 
 
 def _hashes_without_memo(parent: bytes, token_ids: Sequence[int], block_size: int,

@@ -38,7 +38,8 @@ class Counters:
     def count_request(self, prompt_tokens: int, hit: HitInfo) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
-        for tier, tokens in zip(TIERS, (hit.gpu_tokens, hit.cpu_tokens, hit.storage_tokens)):
+        for tier, tokens in (("gpu", hit.gpu_tokens), ("cpu", hit.cpu_tokens),
+                             ("storage", hit.storage_tokens)):
             if tokens:
                 self.hit_tokens[tier] += tokens
                 self.hit_requests[tier] += 1
