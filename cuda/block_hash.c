@@ -50,6 +50,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "node_api.h"
+
 #define DIGEST 16
 #define BLOCKBYTES 128
 
@@ -685,17 +687,6 @@ static void record_tokens_to_input(uint8_t *out, const uint8_t *tok, Py_ssize_t 
     }
 }
 
-/* What kvcached._tree_node exports for the walk (declared there too; see
- * set_node_api): native nodes are read directly, not through Python calls. */
-typedef struct {
-    unsigned version, size;
-    PyTypeObject *type;
-    PyObject *(*memo_child)(PyObject *node, uint64_t key, int *err); /* borrowed */
-    PyObject *(*input)(PyObject *node);                              /* borrowed */
-    PyObject *(*hash)(PyObject *node);                               /* borrowed */
-    PyObject *(*mkey)(PyObject *node);                               /* borrowed */
-} kvc_node_api;
-
 static const kvc_node_api *node_api; /* NULL until set_node_api */
 static unsigned long long native_steps; /* walk steps that read a node through node_api */
 
@@ -705,26 +696,46 @@ static inline int is_native_node(PyObject *o) {
 
 /* The memo key of a block input (parent hash ‖ extra ‖ tokens): of what
  * follows the parent hash. The walk already stands on the parent, so the
- * block's own bytes pick the child, and every block's key can be computed
- * before the walk, in one streaming pass over the tokens. */
+ * block's own bytes pick the child, and a block's key comes from its own
+ * record whenever the walk needs it (lazy_key). */
 static uint64_t input_key(const uint8_t *in, size_t n) {
     return n >= DIGEST ? memo_key_of(in + DIGEST, n - DIGEST) : memo_key_of(in, n);
 }
 
-/* The candidate node for `key` (a new reference, or NULL: none, or an error):
- * from a flat dict memo, or the child of the walk position `pos` (a tree
- * node; NULL once the walk left the tree). *key_obj is the key as an int,
- * made here when a Python lookup needs it. */
-static PyObject *memo_candidate(PyObject *memo, PyObject *pos, uint64_t key,
+/* A block's memo key, computed when first needed: a chain link of the tree
+ * (a node with one child) is checked against its only child's record
+ * without it, and most hits are chain links. */
+typedef struct {
+    const uint8_t *rec;
+    Py_ssize_t len;
+    uint64_t key;
+    int known;
+} lazy_key;
+
+static uint64_t key_of(lazy_key *k) {
+    if (!k->known) {
+        k->key = memo_key_of(k->rec, (size_t)k->len);
+        k->known = 1;
+    }
+    return k->key;
+}
+
+/* The candidate node for the block (a new reference, or NULL: none, or an
+ * error): from a flat dict memo, or a child of the walk position `pos` (a
+ * tree node; NULL once the walk left the tree): the only child, or the one
+ * under the block's key. *key_obj is the key as an int, made here when a
+ * Python lookup needs it. */
+static PyObject *memo_candidate(PyObject *memo, PyObject *pos, lazy_key *key,
                                 PyObject **key_obj) {
     if (pos != NULL && is_native_node(pos)) {
         int err; /* on an error (a branching node's index) the exception is set */
         native_steps++;
-        return Py_XNewRef(node_api->memo_child(pos, key, &err));
+        PyObject *only = node_api->only_child(pos);
+        return Py_XNewRef(only != NULL ? only : node_api->memo_child(pos, key_of(key), &err));
     }
     if (!PyDict_Check(memo) && pos == NULL)
         return NULL;
-    if (*key_obj == NULL && (*key_obj = PyLong_FromUnsignedLongLong(key)) == NULL)
+    if (*key_obj == NULL && (*key_obj = PyLong_FromUnsignedLongLong(key_of(key))) == NULL)
         return NULL;
     if (PyDict_Check(memo))
         return Py_XNewRef(PyDict_GetItemWithError(memo, *key_obj));
@@ -760,7 +771,7 @@ static int same_input(PyObject *in, const uint8_t *prev, Py_ssize_t prev_len,
 /* Block i's hash, input and key from the memo: 1 and the three appended at i
  * (new references taken), 0 on a miss, -1 on an error. On a hit in tree
  * mode, *pos moves to the node (the next block is one of its children). */
-static int memo_hit(PyObject *memo, PyObject **pos, uint64_t key, const uint8_t *prev,
+static int memo_hit(PyObject *memo, PyObject **pos, lazy_key *key, const uint8_t *prev,
                     Py_ssize_t prev_len, const uint8_t *rec, Py_ssize_t rec_len,
                     PyObject *out[3], Py_ssize_t i) {
     PyObject *key_obj = NULL, *in = NULL, *h = NULL, *mkey = NULL;
@@ -768,11 +779,13 @@ static int memo_hit(PyObject *memo, PyObject **pos, uint64_t key, const uint8_t 
     int found = 0;
     if (node != NULL) {
         node_fields(node, &in, &h, &mkey);
+        /* The record decides: equal records, equal inputs, equal hashes. */
         found = same_input(in, prev, prev_len, rec, rec_len) && h != NULL &&
                 PyBytes_Check(h) && PyBytes_GET_SIZE(h) == DIGEST;
     }
-    if (found && (mkey == NULL || !PyLong_CheckExact(mkey))) {
-        Py_XSETREF(mkey, key_obj != NULL ? Py_NewRef(key_obj) : PyLong_FromUnsignedLongLong(key));
+    if (found && (mkey == NULL || !PyLong_CheckExact(mkey))) { /* a node without a key */
+        Py_XSETREF(mkey, key_obj != NULL ? Py_NewRef(key_obj)
+                                         : PyLong_FromUnsignedLongLong(key_of(key)));
         found = mkey != NULL;
     }
     Py_XDECREF(key_obj);
@@ -825,11 +838,6 @@ static int hash_block(uint64_t key, const uint8_t *prev, Py_ssize_t prev_len, co
     return 0;
 }
 
-/* Two passes. First every block's record part (extra ‖ tokens ‖ width, see
- * tokens_to_record) and key: a streaming read of the token objects, whose
- * cache misses overlap. Then the walk: per block one child lookup and one
- * compare against the node's record, the only pointer chasing left; after
- * the first miss, BLAKE2b. */
 /* chain_memo's working memory (~100 KB for a long prompt), kept between
  * calls: a fresh malloc of that size each call showed up in profiles. The
  * GIL is held throughout, so one buffer serves every thread; a nested call
@@ -860,6 +868,12 @@ static void scratch_give(uint8_t *p) {
         PyMem_Free(p);
 }
 
+/* Two passes. First every block's record part (extra ‖ tokens ‖ width, see
+ * tokens_to_record): a streaming read of the token objects, whose cache
+ * misses overlap. Then the walk: per block one child lookup (the only child,
+ * or by the block's key where the tree branches) and one compare against
+ * the node's record, the only pointer chasing left; after the first miss,
+ * BLAKE2b. */
 static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObject *seq,
                                  const int64_t *arr, Py_ssize_t block_size,
                                  const uint8_t *extra, Py_ssize_t extra_len, Py_ssize_t start,
@@ -869,12 +883,11 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
     /* tree mode: the walk position (None: no memo; a dict: flat, no position) */
     PyObject *pos = PyDict_Check(memo) || memo == Py_None ? NULL : Py_NewRef(memo);
     int use_memo = memo != Py_None;
-    /* keys, lens, records, then the scratch input, in one buffer */
+    /* lens, records, then the scratch input, in one buffer */
     size_t rec_bytes = (size_t)(n * stride), wide_bytes = (size_t)(parent_len + stride);
-    uint8_t *mem = scratch_take(16 * (size_t)n + rec_bytes + wide_bytes);
-    uint64_t *keys = (uint64_t *)mem;
-    Py_ssize_t *lens = (Py_ssize_t *)(mem + 8 * (size_t)n);
-    uint8_t *recs = mem + 16 * (size_t)n, *wide = recs + rec_bytes;
+    uint8_t *mem = scratch_take(8 * (size_t)n + rec_bytes + wide_bytes);
+    Py_ssize_t *lens = (Py_ssize_t *)mem;
+    uint8_t *recs = mem + 8 * (size_t)n, *wide = recs + rec_bytes;
     PyObject *out[3] = {PyList_New(n), PyList_New(n), PyList_New(n)};
     if (mem == NULL || !out[0] || !out[1] || !out[2]) {
         if (mem == NULL) PyErr_NoMemory();
@@ -887,25 +900,26 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
         Py_ssize_t got = tokens_to_record(rec + extra_len, seq, is_list, arr, lo, lo + block_size);
         if (got < 0) goto fail;
         lens[b] = extra_len + got;
-        keys[b] = memo_key_of(rec, (size_t)lens[b]);
     }
     const uint8_t *prev = parent;
     Py_ssize_t prev_len = parent_len;
     for (Py_ssize_t b = 0; b < n; b++) {
         const uint8_t *rec = recs + b * stride;
         Py_ssize_t rec_len = lens[b];
-        uint64_t key = keys[b];
+        lazy_key key = {rec, rec_len, 0, 0};
         if (prev_len != DIGEST) { /* an odd parent (block 0 only): key the whole record */
             memcpy(wide, prev, (size_t)prev_len);
             memcpy(wide + prev_len, rec, (size_t)rec_len);
-            key = input_key(wide, (size_t)(prev_len + rec_len));
+            key.key = input_key(wide, (size_t)(prev_len + rec_len));
+            key.known = 1;
         }
-        int found = use_memo ? memo_hit(memo, &pos, key, prev, prev_len, rec, rec_len, out, b) : 0;
+        int found = use_memo ? memo_hit(memo, &pos, &key, prev, prev_len, rec, rec_len, out, b)
+                             : 0;
         if (found < 0) goto fail;
         if (!found) {
             if (!PyDict_Check(memo)) use_memo = 0; /* off the tree: no later block is in it */
-            if (hash_block(key, prev, prev_len, rec, rec_len, extra_len, block_size, wide, out,
-                           b) < 0)
+            if (hash_block(key_of(&key), prev, prev_len, rec, rec_len, extra_len, block_size,
+                           wide, out, b) < 0)
                 goto fail;
         }
         prev = (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(out[0], b));
@@ -1087,11 +1101,11 @@ static PyObject *walk_native_steps(PyObject *self, PyObject *unused) {
 /* set_node_api(capsule): read kvcached._tree_node's nodes directly in the walk. */
 static PyObject *set_node_api(PyObject *self, PyObject *capsule) {
     (void)self;
-    const kvc_node_api *api = PyCapsule_GetPointer(capsule, "kvcached._tree_node.node_api");
+    const kvc_node_api *api = PyCapsule_GetPointer(capsule, KVC_NODE_API_CAPSULE);
     if (api == NULL) return NULL;
-    if (api->version != 1 || api->size != sizeof(kvc_node_api)) {
-        PyErr_Format(PyExc_ValueError, "node_api version %u size %u, expected 1 and %zu",
-                     api->version, api->size, sizeof(kvc_node_api));
+    if (api->version != KVC_NODE_API_VERSION || api->size != sizeof(kvc_node_api)) {
+        PyErr_Format(PyExc_ValueError, "node_api version %u size %u, expected %u and %zu",
+                     api->version, api->size, KVC_NODE_API_VERSION, sizeof(kvc_node_api));
         return NULL;
     }
     node_api = api;

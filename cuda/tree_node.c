@@ -25,6 +25,7 @@
  * plain object slots. PyNode is the fallback when this cannot be built.
  */
 #include "tree_node.h"
+#include "node_api.h"
 #include <structmember.h>
 static PyObject *default_state; /* Tier.STORAGE, set by set_default_state() */
 static Py_ssize_t live_nodes;   /* allocated and not yet freed: leak checks */
@@ -798,24 +799,17 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* What cuda/block_hash.c's memo walk uses, without a Python call per block.
- * The same struct is declared there; version and size guard against a
- * mismatch (both files are built from one checkout, but loaded separately). */
-typedef struct {
-    unsigned version, size;
-    PyTypeObject *type;
-    PyObject *(*memo_child)(PyObject *node, uint64_t key, int *err); /* borrowed */
-    PyObject *(*input)(PyObject *node);                              /* borrowed */
-    PyObject *(*hash)(PyObject *node);                               /* borrowed */
-    PyObject *(*mkey)(PyObject *node);                               /* borrowed */
-} kvc_node_api;
-
+/* The memo walk's view of a node (cuda/node_api.h). */
+static PyObject *api_only_child(PyObject *n) {
+    PyObject *c = ((Node *)n)->children;
+    return is_node(c) ? c : NULL;
+}
 static PyObject *api_input(PyObject *n) { return ((Node *)n)->input; }
 static PyObject *api_hash(PyObject *n) { return ((Node *)n)->hash; }
 static PyObject *api_mkey(PyObject *n) { return ((Node *)n)->mkey; }
 
-static kvc_node_api node_api = {1, sizeof(kvc_node_api), &NodeType, memo_child_raw,
-                                api_input, api_hash, api_mkey};
+static kvc_node_api node_api = {KVC_NODE_API_VERSION, sizeof(kvc_node_api), &NodeType,
+                                memo_child_raw, api_only_child, api_input, api_hash, api_mkey};
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_tree_node", "kvcached's prefix-tree node type.", -1, methods,
@@ -827,7 +821,7 @@ PyMODINIT_FUNC PyInit__tree_node(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyObject *api = PyCapsule_New(&node_api, "kvcached._tree_node.node_api", NULL);
+    PyObject *api = PyCapsule_New(&node_api, KVC_NODE_API_CAPSULE, NULL);
     if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0 || api == NULL ||
         PyModule_AddObject(m, "node_api", api) < 0 || kvc_add_lru_types(m) < 0 ||
         kvc_add_evict_functions(m) < 0) {

@@ -194,7 +194,8 @@ def load_native() -> ModuleType | None:
     with _native_lock:
         if _native is _UNTRIED:
             _native, _native_error = _native_build().try_import_extension(
-                NATIVE_MODULE, NATIVE_SOURCE, "kvc_block_hash", "native block hashing")
+                NATIVE_MODULE, NATIVE_SOURCE, "kvc_block_hash", "native block hashing",
+                headers=[NATIVE_SOURCE.with_name("node_api.h")])
             if _native is not None and _node_api is not None:
                 _native.set_node_api(_node_api)
         return _native  # type: ignore[return-value]

@@ -112,7 +112,7 @@ def _native_module() -> tuple[ModuleType | None, str | None]:
     sources = [cuda / f for f in ("tree_node.c", "leaf_lru.c", "block_pool.c", "tree_evict.c")]
     mod, why = native_build.try_import_extension(
         "kvcached._tree_node", sources, "kvc_tree_node", "native tree nodes",
-        headers=[cuda / "tree_node.h"])
+        headers=[cuda / "tree_node.h", cuda / "node_api.h"])
     if mod is not None:
         mod.set_default_state(Tier.STORAGE)
         mod.set_states(Tier.GPU, Tier.SWAP_OUT, Tier.CPU, Tier.STORAGE)

@@ -273,6 +273,27 @@ def test_native_nodes_are_read_directly_with_the_same_results(native):
         assert x is node.input and k is node.mkey
 
 
+def test_a_chain_link_is_matched_by_its_record_alone(native):
+    """Where the tree does not branch, the walk compares the block's record
+    with the only child's without computing the block's key (most hits are
+    such links): a link whose key no longer fits its record still hits, by
+    the record, and hands back the node's own objects."""
+    tree, prompts = native_tree(3, 6, seed=31)
+    toks = prompts[0]
+    hashes = block_hashes(NS, toks, BS)
+    path, node = [], tree.root
+    for h in hashes:
+        node = node.child(h)
+        path.append(node)
+    link = path[3]  # below the branch at block 2, its parent has no other child
+    assert link.parent.n_children == 1 and path[1].n_children == 3
+    link.mkey ^= 1
+    got = block_hashes_memo(NS, toks, BS, None, tree.root)
+    assert got[0] == hashes
+    assert all(g is n.hash for g, n in zip(got[0], path))  # every block a hit
+    assert got[2][3] is link.mkey
+
+
 def test_the_memo_key_leaves_out_the_parent_hash(native):
     """The walk stands on the parent already, so a key covers only the block's
     own bytes: equal tokens under two parents share a key, and only the exact
