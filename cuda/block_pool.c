@@ -6,6 +6,11 @@
  * nothing freed. In C so that the eviction loop (tree_evict.c) frees and
  * takes one block without a Python call. The free ids are a FIFO ring: it
  * never holds more than num_blocks ids, since every id is free at most once.
+ *
+ * Every id is handed out as the same int object, made once (`objs`): the
+ * block table and the tree's nodes then share a compact array of ints that
+ * stays in cache, instead of ints scattered wherever each was allocated
+ * (matching a prompt touched each hit block's id: a cache miss per block).
  */
 #include "tree_node.h"
 #include <structmember.h>
@@ -34,6 +39,8 @@ static int bad_id(BlockPool *p, Py_ssize_t b) {
     return -1;
 }
 
+PyObject *kvc_pool_id(BlockPool *p, Py_ssize_t b) { return p->objs[b]; }
+
 int kvc_pool_free_one(BlockPool *p, Py_ssize_t b) {
     if (b < 0 || b >= p->num_blocks || p->is_free[b])
         return bad_id(p, b);
@@ -61,13 +68,18 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     p->num_blocks = p->count = n;
     p->ring = PyMem_Malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
     p->is_free = PyMem_Malloc((size_t)(n ? n : 1));
-    if (p->ring == NULL || p->is_free == NULL) {
+    p->objs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyObject *));
+    if (p->ring == NULL || p->is_free == NULL || p->objs == NULL) {
         Py_DECREF(p);
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         p->ring[i] = (int32_t)i;
         p->is_free[i] = 1;
+        if ((p->objs[i] = PyLong_FromSsize_t(i)) == NULL) {
+            Py_DECREF(p);
+            return NULL;
+        }
     }
     return (PyObject *)p;
 }
@@ -75,6 +87,9 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static void pool_dealloc(PyObject *op) {
     BlockPool *p = (BlockPool *)op;
     Py_CLEAR(p->name);
+    for (Py_ssize_t i = 0; p->objs != NULL && i < p->num_blocks; i++)
+        Py_XDECREF(p->objs[i]);
+    PyMem_Free(p->objs);
     PyMem_Free(p->ring);
     PyMem_Free(p->is_free);
     Py_TYPE(op)->tp_free(op);
@@ -93,16 +108,8 @@ static PyObject *pool_allocate(PyObject *op, PyObject *arg) {
     PyObject *out = PyList_New(n > 0 ? n : 0);
     if (out == NULL)
         return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PyLong_FromSsize_t(p->ring[at(p, i)]);
-        if (b == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, b);
-    }
     for (Py_ssize_t i = 0; i < n; i++)
-        kvc_pool_take_one(p);
+        PyList_SET_ITEM(out, i, Py_NewRef(p->objs[kvc_pool_take_one(p)]));
     return out;
 }
 
@@ -111,7 +118,7 @@ static PyObject *pool_allocate_one(PyObject *op, PyObject *unused) {
     Py_ssize_t b = kvc_pool_take_one(p);
     if (b < 0)
         return PyErr_Format(PyExc_ValueError, "%U pool: asked for 1 block, 0 free", p->name);
-    return PyLong_FromSsize_t(b);
+    return Py_NewRef(p->objs[b]);
 }
 
 /* free(ids, front=False): every id is checked before any is freed (ids seen in
@@ -181,13 +188,8 @@ static PyObject *pool_is_free(PyObject *op, PyObject *arg) {
 static PyObject *pool_free_ids(PyObject *op, PyObject *unused) {
     BlockPool *p = (BlockPool *)op;
     PyObject *out = PyList_New(p->count);
-    for (Py_ssize_t i = 0; out != NULL && i < p->count; i++) {
-        PyObject *b = PyLong_FromSsize_t(p->ring[at(p, i)]);
-        if (b == NULL)
-            Py_CLEAR(out);
-        else
-            PyList_SET_ITEM(out, i, b);
-    }
+    for (Py_ssize_t i = 0; out != NULL && i < p->count; i++)
+        PyList_SET_ITEM(out, i, Py_NewRef(p->objs[p->ring[at(p, i)]]));
     return out;
 }
 

@@ -196,8 +196,8 @@ static Node *begin_swap_out(ctx *c, Node *n, long cpu, int *err) {
     kvc_lru_discard(c->gpu_lru, n);
     if (cpu == -2)
         kvc_lru_discard(c->cpu_lru, n); /* a backup in flight is not evictable */
-    else if (set(&n->cpu, cpu) < 0)
-        return NULL;
+    else
+        Py_XSETREF(n->cpu, Py_NewRef(kvc_pool_id(c->cpu_pool, cpu)));
     set_state(n, S_SWAP_OUT);
     c->idle--;
     Node *parent = (Node *)n->parent;

@@ -65,11 +65,13 @@ typedef struct {
     Py_ssize_t num_blocks, head, count; /* free ids: ring[head .. head+count) */
     int32_t *ring;
     uint8_t *is_free;
+    PyObject **objs; /* objs[b]: the int object handed out for id b */
 } BlockPool;
 
 extern PyTypeObject BlockPoolType;
 int kvc_pool_free_one(BlockPool *pool, Py_ssize_t b);  /* -1 (ValueError) on a bad id */
 Py_ssize_t kvc_pool_take_one(BlockPool *pool);         /* -1 when empty (no error set) */
+PyObject *kvc_pool_id(BlockPool *pool, Py_ssize_t b);  /* borrowed: id b's int object */
 
 int kvc_add_lru_types(PyObject *module);
 int kvc_add_evict_functions(PyObject *module);
