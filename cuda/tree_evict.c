@@ -33,7 +33,7 @@ static int get(PyObject *v, long *out) {
         PyErr_SetString(PyExc_AttributeError, "a node's attribute was deleted");
         return -1;
     }
-    *out = PyLong_AsLong(v);
+    *out = kvc_long(v);
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 

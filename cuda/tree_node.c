@@ -510,7 +510,7 @@ PyTypeObject NodeType = {
 
 /* node.ref += 1; 1 if it was 0 before, 0 if not, -1 on error. */
 static int ref_up(Node *node) {
-    long v = PyLong_AsLong(node->ref);
+    long v = kvc_long(node->ref);
     if (v == -1 && PyErr_Occurred())
         return -1;
     PyObject *up = PyLong_FromLong(v + 1);
@@ -615,7 +615,7 @@ static int sign_of(PyObject *v) {
         PyErr_SetString(PyExc_AttributeError, "unref_path: a node's attribute was deleted");
         return -2;
     }
-    long x = PyLong_AsLong(v);
+    long x = kvc_long(v);
     if (x == -1 && PyErr_Occurred())
         return -2;
     return (x > 0) - (x < 0);
@@ -643,7 +643,7 @@ static PyObject *unref_path(PyObject *module, PyObject *const *args, Py_ssize_t 
             goto fail;
         }
         Node *n = (Node *)item;
-        long ref = n->ref ? PyLong_AsLong(n->ref) : -1;
+        long ref = n->ref ? kvc_long(n->ref) : -1;
         if (ref == -1 && (PyErr_Occurred() || !n->ref)) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_AttributeError, "unref_path: a node's ref was deleted");
@@ -685,7 +685,7 @@ fail:
 
 /* *slot += d for an int slot; -1 on error. */
 int kvc_add_to(PyObject **slot, long d) {
-    long v = PyLong_AsLong(*slot);
+    long v = kvc_long(*slot);
     if (v == -1 && PyErr_Occurred())
         return -1;
     PyObject *nv = PyLong_FromLong(v + d);
@@ -700,7 +700,7 @@ int kvc_add_to(PyObject **slot, long d) {
  * counted in parent.n_gpu_children. A new reference, or NULL on error. */
 static Node *new_gpu_child(Node *parent, PyObject *h, PyObject *block, PyObject *record,
                            PyObject *key, PyObject *gpu_state) {
-    long d = PyLong_AsLong(parent->depth);
+    long d = kvc_long(parent->depth);
     PyObject *depth = d == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(d + 1);
     if (depth == NULL)
         return NULL;

@@ -28,6 +28,26 @@ typedef struct {
     lru_slot lru[2];
 } Node;
 
+/* An int attribute's value as a C long: a compact int (every counter, id and
+ * clock in practice) read in place, anything else through PyLong_AsLong (-1
+ * with an exception set when it is not an int or does not fit). The hot
+ * loops read several per node, and the call was a visible part of them. */
+static inline long kvc_long(PyObject *o) {
+    if (PyLong_CheckExact(o)) {
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)o))
+            return (long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+#else
+        Py_ssize_t size = Py_SIZE(o);
+        if (size == 0)
+            return 0;
+        if (size == 1 || size == -1)
+            return size * (long)((PyLongObject *)o)->ob_digit[0];
+#endif
+    }
+    return PyLong_AsLong(o);
+}
+
 extern PyTypeObject NodeType;
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
