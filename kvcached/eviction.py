@@ -21,6 +21,11 @@ from kvcached.fetch import task_error
 from kvcached.pool import BlockPool
 from kvcached.transfer.base import Task
 from kvcached.tree import (
+    CPU,
+    GPU,
+    STORAGE,
+    SWAP_IN,
+    SWAP_OUT,
     LeafLRU,
     Node,
     Tier,
@@ -155,10 +160,10 @@ class EvictionMixin:
                 self.tree.cpu_lru.discard(node)  # a backup in flight is not evictable
         else:
             node.cpu = cpu
-        node.state = Tier.SWAP_OUT
+        node.state = SWAP_OUT
         self._n_gpu_idle -= 1
         if self._events is not None:
-            self._publish_change(node, Tier.GPU, cpu is None)
+            self._publish_change(node, GPU, cpu is None)
         parent = node.parent  # holds a GPU block: GPU is prefix-closed
         parent.n_gpu_children -= 1  # a SWAP_OUT child no longer keeps it on GPU
         if cpu is not None:
@@ -175,7 +180,7 @@ class EvictionMixin:
             native_land_swap_out(self, tree.gpu_lru, tree.cpu_lru, self.gpu_pool, self.cpu_pool,
                                  batch)
             return
-        cpu_lru, events, CPU = self.tree.cpu_lru, self._events, Tier.CPU
+        cpu_lru, events = self.tree.cpu_lru, self._events
         free_one = self.gpu_pool.free_one
         for n in batch:
             free_one(n.gpu)
@@ -184,13 +189,13 @@ class EvictionMixin:
             if not (n.n_cpu_children or n.busy or n.ref or n.n_gpu_children):
                 cpu_lru.add(n)  # a CPU leaf now
             if events is not None:
-                self._publish_change(n, Tier.SWAP_OUT, True)
+                self._publish_change(n, SWAP_OUT, True)
 
     def _rollback_swap_out(self, batch: list[Node], copies: list[Node]) -> None:
         cpus = [n.cpu for n in copies]
         copied = set(copies)
         for n in reversed(batch):  # the blocks stay on GPU; new CPU blocks go back
-            self._set(n, Tier.GPU, cpu=-1 if n in copied else None)
+            self._set(n, GPU, cpu=-1 if n in copied else None)
         self.cpu_pool.free(cpus, front=True)
 
     def _take_cpu_block(self) -> int | None:
@@ -198,7 +203,7 @@ class EvictionMixin:
             node = self.tree.cpu_lru.pop()
             if node is None:
                 return None
-            if node.state is Tier.CPU:
+            if node.state is CPU:
                 self._drop_cpu_leaf(node)
             else:
                 self._drop_cpu(node)  # a GPU node's backup
@@ -211,7 +216,7 @@ class EvictionMixin:
 
     def _drop_gpu(self, node: Node) -> None:
         """Forget the GPU copy; the node survives only if storage still has it."""
-        self._release_gpu(node, Tier.STORAGE)
+        self._release_gpu(node, STORAGE)
         self._counters.evictions["gpu_dropped"] += 1
         if not node.in_storage:
             self._remove(node)
@@ -226,10 +231,10 @@ class EvictionMixin:
             self.tree.gpu_lru.discard(node)
         self.gpu_pool.free_one(node.gpu)
         node.gpu = -1
-        node.state = Tier.STORAGE
+        node.state = STORAGE
         self._n_gpu_idle -= 1
         if self._events is not None:
-            self._publish_change(node, Tier.GPU, False)
+            self._publish_change(node, GPU, False)
         self._counters.evictions["gpu_dropped"] += 1
         parent = node.parent
         parent.n_gpu_children -= 1
@@ -269,10 +274,10 @@ class EvictionMixin:
 
     def _drop_cpu(self, node: Node) -> None:
         cpu = node.cpu
-        if node.state is Tier.GPU:
-            self._set(node, Tier.GPU, cpu=-1)  # only a backup goes
+        if node.state is GPU:
+            self._set(node, GPU, cpu=-1)  # only a backup goes
         else:
-            self._set(node, Tier.STORAGE, cpu=-1)
+            self._set(node, STORAGE, cpu=-1)
             if not node.in_storage:
                 self._remove(node)
         self.cpu_pool.free([cpu])
@@ -285,9 +290,9 @@ class EvictionMixin:
         parent's CPU-leaf status can: it lost a CPU child, not a GPU one."""
         cpu = node.cpu
         node.cpu = -1
-        node.state = Tier.STORAGE
+        node.state = STORAGE
         if self._events is not None:
-            self._publish_change(node, Tier.CPU, True)
+            self._publish_change(node, CPU, True)
         parent = node.parent
         parent.n_cpu_children -= 1
         if not parent.n_cpu_children and parent.cpu >= 0:
@@ -307,10 +312,10 @@ class EvictionMixin:
 
     def _drop_gpu_tier(self) -> None:
         """Forget every GPU copy (the planes may be freed while asleep)."""
-        for n in sorted((n for n in self.tree.walk() if n.state is Tier.GPU),
+        for n in sorted((n for n in self.tree.walk() if n.state is GPU),
                         key=lambda n: -n.depth):
             if n.cpu >= 0:
-                self._release_gpu(n, Tier.CPU)
+                self._release_gpu(n, CPU)
             else:
                 self._drop_gpu(n)
 
@@ -324,19 +329,19 @@ class EvictionMixin:
              cpu: int | None = None) -> None:
         """Change a node's state/copies and keep counters and LRU sets exact."""
         old_state = node.state
-        old_g = node.state is Tier.GPU or node.state is Tier.SWAP_IN
+        old_g = node.state is GPU or node.state is SWAP_IN
         old_c = node.cpu >= 0
-        old_idle = node.state is Tier.GPU and node.ref == 0
+        old_idle = node.state is GPU and node.ref == 0
         node.state = state
         if gpu is not None:
             node.gpu = gpu
         if cpu is not None:
             node.cpu = cpu
-        new_g = state is Tier.GPU or state is Tier.SWAP_IN
+        new_g = state is GPU or state is SWAP_IN
         new_c = node.cpu >= 0
         if self._events is not None:
             self._publish_change(node, old_state, old_c)
-        self._n_gpu_idle += (state is Tier.GPU and node.ref == 0) - old_idle
+        self._n_gpu_idle += (state is GPU and node.ref == 0) - old_idle
         parent = node.parent
         if new_g != old_g or new_c != old_c:
             parent.n_gpu_children += new_g - old_g
@@ -346,8 +351,8 @@ class EvictionMixin:
 
     def _publish_change(self, node: Node, old_state: Tier, old_cpu: bool) -> None:
         """KV events: a block became usable in, or left, the GPU or CPU tier."""
-        usable_cpu = (Tier.GPU, Tier.CPU)
-        was_g, is_g = old_state is Tier.GPU, node.state is Tier.GPU
+        usable_cpu = (GPU, CPU)
+        was_g, is_g = old_state is GPU, node.state is GPU
         was_c = old_cpu and old_state in usable_cpu
         is_c = node.cpu >= 0 and node.state in usable_cpu
         for tier, was, now in (("gpu", was_g, is_g), ("cpu", was_c, is_c)):
@@ -357,17 +362,17 @@ class EvictionMixin:
     def _ref(self, node: Node) -> None:
         node.ref += 1
         if node.ref == 1:  # referenced nodes leave the GPU LRU (and a CPU-only one the CPU LRU)
-            if node.state is Tier.GPU:
+            if node.state is GPU:
                 self._n_gpu_idle -= 1
                 self.tree.gpu_lru.discard(node)
-            elif node.state is Tier.CPU:
+            elif node.state is CPU:
                 self.tree.cpu_lru.discard(node)
 
     def _unref(self, node: Node) -> None:
         node.ref -= 1
         node.last_access = self._clock
         if node.ref == 0:
-            if node.state is Tier.GPU:
+            if node.state is GPU:
                 self._n_gpu_idle += 1
             self._refresh(node)
         elif node.cpu >= 0:  # still referenced: only a backup's LRU key moves
@@ -376,7 +381,7 @@ class EvictionMixin:
     def _unref_path(self, nodes: list[Node]) -> None:
         """``_unref`` over a path, deepest first (the per-block hot loop of free;
         ``unref_path``: in C for native nodes)."""
-        idle, changed = _UNREF_PATH(nodes, self._clock, Tier.GPU)
+        idle, changed = _UNREF_PATH(nodes, self._clock, GPU)
         refresh = self._refresh
         for n in changed:
             refresh(n)
@@ -389,14 +394,14 @@ class EvictionMixin:
             return  # the root is never evicted
         tree = self.tree
         state = n.state
-        if state is Tier.GPU and not (n.ref or n.n_gpu_children or n.busy):
+        if state is GPU and not (n.ref or n.n_gpu_children or n.busy):
             tree.gpu_lru.add(n)
         elif n.gpu_key is not None:
             n.gpu_key = None
             tree.gpu_lru.size -= 1
         if n.cpu >= 0 and not (n.n_cpu_children or n.busy) and (
-                state is Tier.GPU
-                or (state is Tier.CPU and not (n.ref or n.n_gpu_children))):
+                state is GPU
+                or (state is CPU and not (n.ref or n.n_gpu_children))):
             tree.cpu_lru.add(n)
         elif n.cpu_key is not None:
             n.cpu_key = None
@@ -437,7 +442,7 @@ def _new_gpu_leaf(parent: Node) -> bool:
     """Whether ``parent``, which just lost a GPU child, is now an evictable GPU
     leaf (``gpu_evictable``, knowing it holds a GPU block; never the root)."""
     return not (parent.n_gpu_children or parent.ref or parent.busy) \
-        and parent.state is Tier.GPU and parent.parent is not None
+        and parent.state is GPU and parent.parent is not None
 
 
 def _subtree(node: Node):
@@ -450,13 +455,13 @@ def _subtree(node: Node):
 
 def gpu_evictable(n: Node) -> bool:
     """An unreferenced GPU node with no child on GPU."""
-    return n.state is Tier.GPU and n.ref == 0 and n.n_gpu_children == 0 and n.busy == 0
+    return n.state is GPU and n.ref == 0 and n.n_gpu_children == 0 and n.busy == 0
 
 
 def cpu_evictable(n: Node) -> bool:
     """A CPU copy that no CPU child depends on; a backup of a GPU node always qualifies."""
     if n.cpu < 0 or n.n_cpu_children or n.busy:
         return False
-    if n.state is Tier.GPU:
+    if n.state is GPU:
         return True
-    return n.state is Tier.CPU and n.ref == 0 and n.n_gpu_children == 0
+    return n.state is CPU and n.ref == 0 and n.n_gpu_children == 0

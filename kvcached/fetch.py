@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvcached.errors import TransferFailed, WorkerLost
 from kvcached.transfer.base import Task, TaskResult
-from kvcached.tree import Node, Tier
+from kvcached.tree import CPU, GPU, STORAGE, SWAP_IN, Node
 from kvcached.types import HitInfo
 
 if TYPE_CHECKING:
@@ -35,13 +35,13 @@ class FetchMixin:
         """``_set(nd, SWAP_IN, gpu=g)`` per node, inlined: the nodes are a chain of
         CPU nodes this request references, so none is in an LRU, before or after,
         and only the first node's parent sees a new GPU child from outside."""
-        SWAP_IN, events = Tier.SWAP_IN, self._events
+        events = self._events
         for nd, g in zip(nodes, gpu_ids):
             nd.state = SWAP_IN
             nd.gpu = g
             nd.parent.n_gpu_children += 1
             if events is not None:
-                self._publish_change(nd, Tier.CPU, True)
+                self._publish_change(nd, CPU, True)
         self._refresh(nodes[0].parent)
         h = self._submit(Task("swap_in", [nd.cpu for nd in nodes], gpu_ids))
         self._pending[h.task.task_id] = ("swap_in", req, nodes, h)
@@ -83,7 +83,7 @@ class FetchMixin:
         for nd, g, c in zip(nodes, gpu_ids, cpus):
             nd.in_storage = True
             nd.ref += 1
-            self._set(nd, Tier.SWAP_IN, gpu=g, cpu=c)
+            self._set(nd, SWAP_IN, gpu=g, cpu=c)
         args = {"keys": [nd.hash.hex() for nd in nodes], "device_ids": gpu_ids[:len(nodes)]}
         if self.cfg.storage_load_policy != "wait_complete":
             args["deadline_s"] = self.cfg.storage_load_timeout_s
@@ -118,7 +118,7 @@ class FetchMixin:
             child = node.child(h)
             if child is None:
                 child = self.tree.add_child(node, h, *req.memo_entry(i))
-            elif child.state is not Tier.STORAGE:
+            elif child.state is not STORAGE:
                 break  # another request is fetching it: stop here
             out.append(child)
             node = child
@@ -145,11 +145,11 @@ class FetchMixin:
     def _land_fetch(self, nodes: list[Node]) -> None:
         """SWAP_IN -> GPU for nodes the request still references (``_set`` inlined:
         no parent counter changes, no GPU LRU); the host copy stays as a backup."""
-        GPU, events, refresh = Tier.GPU, self._events, self._refresh
+        events, refresh = self._events, self._refresh
         for nd in nodes:
             nd.state = GPU
             if events is not None:
-                self._publish_change(nd, Tier.SWAP_IN, True)
+                self._publish_change(nd, SWAP_IN, True)
             if not (nd.n_cpu_children or nd.busy):
                 refresh(nd)  # the backup may be a CPU leaf now
 
@@ -157,11 +157,11 @@ class FetchMixin:
         """Undo unfinished fetches; their GPU blocks already belong to the request."""
         if kind == "swap_in":
             for nd in reversed(nodes):
-                self._set(nd, Tier.CPU, gpu=-1)
+                self._set(nd, CPU, gpu=-1)
             return
         cpus = [nd.cpu for nd in nodes]
         for nd in reversed(nodes):
-            self._set(nd, Tier.STORAGE, gpu=-1, cpu=-1)
+            self._set(nd, STORAGE, gpu=-1, cpu=-1)
         self.cpu_pool.free(cpus)
         if missing:  # the object is gone or bad: storage no longer has this prefix
             for nd in nodes:
@@ -176,8 +176,8 @@ class FetchMixin:
         cut = req.nodes[first:]
         del req.nodes[first:]
         for nd in reversed(cut):
-            if nd.state is Tier.GPU:  # fetched fine but after the gap: its block is ours now
-                self._set(nd, Tier.CPU if nd.cpu >= 0 else Tier.STORAGE, gpu=-1)
+            if nd.state is GPU:  # fetched fine but after the gap: its block is ours now
+                self._set(nd, CPU if nd.cpu >= 0 else STORAGE, gpu=-1)
             self._unref(nd)
         a = req.alloc
         lost = a.num_cached_tokens - first * bs
@@ -199,7 +199,7 @@ class FetchMixin:
         """Stage new GPU blocks into host blocks and store them (one task)."""
         if not self._storage_usable():
             return
-        todo = [n for n in nodes if n.state is Tier.GPU and n.cpu < 0 and n.busy == 0
+        todo = [n for n in nodes if n.state is GPU and n.cpu < 0 and n.busy == 0
                 and not n.in_storage]
         cpus = self._take_cpu_blocks(len(todo))
         todo = todo[:len(cpus)]
@@ -207,7 +207,7 @@ class FetchMixin:
             return
         for n, c in zip(todo, cpus):
             n.busy += 1  # neither tier may evict it while the task reads it
-            self._set(n, Tier.GPU, cpu=c)
+            self._set(n, GPU, cpu=c)
         h = self._submit(Task("store", cpus, [], {"keys": [n.hash.hex() for n in todo],
                                                   "device_ids": [n.gpu for n in todo]}))
         self._pending[h.task.task_id] = ("store", None, todo, h)

@@ -31,7 +31,16 @@ from kvcached.pool import BlockPool
 from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.stats import Counters
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
-from kvcached.tree import BlockTree, Node, Tier, native_insert_new, native_match_ref
+from kvcached.tree import (
+    CPU,
+    GPU,
+    STORAGE,
+    BlockTree,
+    Node,
+    Tier,
+    native_insert_new,
+    native_match_ref,
+)
 from kvcached.types import Allocation, CacheStats, HitInfo
 
 logger = logging.getLogger(__name__)
@@ -254,7 +263,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         the GPU nodes' block ids."""
         tree = self.tree
         out, n_gpu, idle, gpu_unlisted, cpu_unlisted, gpu_ids = _MATCH_REF(
-            tree.root, hashes, limit, Tier.GPU, Tier.CPU)
+            tree.root, hashes, limit, GPU, CPU)
         unlisted = [(n, tree.gpu_lru, k) for n, k in gpu_unlisted] + \
             [(n, tree.cpu_lru, k) for n, k in cpu_unlisted]
         self._n_gpu_idle -= idle
@@ -266,7 +275,6 @@ class CacheManager(EvictionMixin, FetchMixin):
         """Exactly undo ``_match_ref``: the LRU heaps still hold the old keys
         (lazy deletion, and nothing was added since), so restoring them puts
         every node back in its place."""
-        GPU = Tier.GPU
         for n in nodes:
             n.ref -= 1
             if n.ref == 0 and n.state is GPU:
@@ -383,7 +391,7 @@ class CacheManager(EvictionMixin, FetchMixin):
                 made = len(req.nodes)
                 try:
                     parent, i = fast(parent, req.hashes, req.inputs, req.keys, req.blocks, i,
-                                     full, Tier.GPU, req.nodes)
+                                     full, GPU, req.nodes)
                 finally:  # counted even if it stopped on an error midway
                     self.tree.num_nodes += len(req.nodes) - made
                 if i == full:
@@ -392,15 +400,15 @@ class CacheManager(EvictionMixin, FetchMixin):
             node = parent.child(h)
             if node is None:
                 node = self._new_gpu_node(parent, h, req.blocks[i], req, i)
-            elif node.state is Tier.GPU:
+            elif node.state is GPU:
                 if node.gpu != req.blocks[i]:
                     self.gpu_pool.free([req.blocks[i]])
                     req.blocks[i] = node.gpu
                     self._counters.dedup_blocks += 1
                 self._ref(node)
-            elif node.state is Tier.CPU or node.state is Tier.STORAGE:
+            elif node.state is CPU or node.state is STORAGE:
                 node.ref += 1  # adopt our copy: no swap-in needed for it any more
-                self._set(node, Tier.GPU, gpu=req.blocks[i])
+                self._set(node, GPU, gpu=req.blocks[i])
             else:
                 req.chain_open = False
                 return
@@ -414,11 +422,11 @@ class CacheManager(EvictionMixin, FetchMixin):
         node or the root, so its parent's LRU membership does not change)."""
         node = self.tree.add_child(parent, h, *req.memo_entry(i))
         node.ref = 1
-        node.state = Tier.GPU
+        node.state = GPU
         node.gpu = gpu
         parent.n_gpu_children += 1
         if self._events is not None:
-            self._publish_change(node, Tier.STORAGE, False)
+            self._publish_change(node, STORAGE, False)
         return node
 
     # ----------------------------------------------------------------- free
@@ -604,7 +612,7 @@ class CacheManager(EvictionMixin, FetchMixin):
     def _forget_storage(self) -> None:
         for n in sorted(self.tree.walk(), key=lambda n: -n.depth):
             n.in_storage = False
-            if n.state is Tier.STORAGE and not n.n_children:
+            if n.state is STORAGE and not n.n_children:
                 self.tree.remove(n)
 
     def _wait_background(self, timeout_s: float) -> bool:

@@ -47,6 +47,10 @@ class Tier(IntEnum):
     STORAGE = 4
 
 
+# The members as plain module names, for the hot paths: on Python 3.11 every
+# `Tier.GPU` goes through EnumType's __getattr__ hook (~0.1 us a lookup).
+GPU, SWAP_OUT, CPU, SWAP_IN, STORAGE = Tier
+
 # States in which the node holds a GPU block that a child must sit under.
 GPU_STATES = (Tier.GPU, Tier.SWAP_IN, Tier.SWAP_OUT)
 IN_FLIGHT = (Tier.SWAP_IN, Tier.SWAP_OUT)
