@@ -838,10 +838,10 @@ static int hash_block(uint64_t key, const uint8_t *prev, Py_ssize_t prev_len, co
     return 0;
 }
 
-/* chain_memo's working memory (~100 KB for a long prompt), kept between
- * calls: a fresh malloc of that size each call showed up in profiles. The
- * GIL is held throughout, so one buffer serves every thread; a nested call
- * (none is known) gets its own. */
+/* chain_memo's working memory (a block's record and the scratch input; the
+ * size depends on block_size), kept between calls rather than allocated per
+ * call. The GIL is held throughout, so one buffer serves every thread; a
+ * nested call (none is known) gets its own. */
 static uint8_t *scratch;
 static size_t scratch_cap;
 static int scratch_busy;
@@ -868,12 +868,69 @@ static void scratch_give(uint8_t *p) {
         PyMem_Free(p);
 }
 
-/* Two passes. First every block's record part (extra ‖ tokens ‖ width, see
- * tokens_to_record): a streaming read of the token objects, whose cache
- * misses overlap. Then the walk: per block one child lookup (the only child,
- * or by the block's key where the tree branches) and one compare against
- * the node's record, the only pointer chasing left; after the first miss,
- * BLAKE2b. */
+/* Whether block [lo, lo + bs) under parent hash `prev` (DIGEST bytes) and
+ * `extra` is exactly node c's record, read straight from the token objects:
+ * a hit at a chain link then needs no record of its own. The record of a
+ * block whose ids all fit in uint32 is prev ‖ extra ‖ ids as uint32 ‖ 4, so
+ * equal here means equal records. 0 on anything unusual (an id that needs
+ * int64, a token that is not a plain int, a list that shrank): the general
+ * path then decides, and words any error. */
+static int link_matches(PyObject *c, const uint8_t *prev, const uint8_t *extra,
+                        Py_ssize_t extra_len, PyObject *seq, const int64_t *arr, Py_ssize_t lo,
+                        Py_ssize_t bs) {
+    PyObject *in = node_api->input(c);
+    Py_ssize_t size = DIGEST + extra_len + 4 * bs + 1;
+    if (in == NULL || !PyBytes_CheckExact(in) || PyBytes_GET_SIZE(in) != size)
+        return 0;
+    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(in), *tok = p + DIGEST + extra_len;
+    if (p[size - 1] != 4 || memcmp(p, prev, DIGEST) != 0 ||
+        memcmp(p + DIGEST, extra, (size_t)extra_len) != 0)
+        return 0;
+    uint64_t diff = 0; /* nonzero once an id differs or does not fit in uint32 */
+    if (arr != NULL) {
+        for (Py_ssize_t i = 0; i < bs; i++)
+            diff |= (uint64_t)arr[lo + i] ^ load32_le(tok + 4 * i);
+        return diff == 0;
+    }
+    if (lo + bs > Py_SIZE(seq))
+        return 0;
+    PyObject *const *items = PySequence_Fast_ITEMS(seq) + lo;
+    for (Py_ssize_t i = 0; i < bs; i++) {
+        int64_t v;
+        if (!Py_IS_TYPE(items[i], &PyLong_Type) || !small_long(items[i], &v))
+            return 0;
+        diff |= (uint64_t)v ^ load32_le(tok + 4 * i);
+    }
+    return diff == 0;
+}
+
+/* Block i at a chain link of the tree (pos has one child): 1 and the child's
+ * hash, record and key appended at i when the block is that child, 0 when
+ * not (or it cannot tell: the general path decides), -1 on an error. */
+static int link_hit(PyObject **pos, const uint8_t *prev, const uint8_t *extra,
+                    Py_ssize_t extra_len, PyObject *seq, const int64_t *arr, Py_ssize_t lo,
+                    Py_ssize_t bs, PyObject *out[3], Py_ssize_t i) {
+    PyObject *c = node_api->only_child(*pos);
+    if (c == NULL)
+        return 0;
+    native_steps++;
+    PyObject *h = node_api->hash(c), *mkey = node_api->mkey(c);
+    if (h == NULL || !PyBytes_Check(h) || PyBytes_GET_SIZE(h) != DIGEST || mkey == NULL ||
+        !PyLong_CheckExact(mkey) || !link_matches(c, prev, extra, extra_len, seq, arr, lo, bs))
+        return 0;
+    PyList_SET_ITEM(out[0], i, Py_NewRef(h));
+    PyList_SET_ITEM(out[1], i, Py_NewRef(node_api->input(c)));
+    PyList_SET_ITEM(out[2], i, Py_NewRef(mkey));
+    Py_SETREF(*pos, Py_NewRef(c));
+    return 1;
+}
+
+/* One pass over the blocks. At a chain link of the tree (most hits) a block
+ * is compared with the only child's record straight from its token objects;
+ * any other block gets its record (extra ‖ tokens ‖ width, see
+ * tokens_to_record) and is looked up: the child under its key where the
+ * tree branches, or the flat memo's entry. After the first miss in the
+ * tree, BLAKE2b for every later block. */
 static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, PyObject *seq,
                                  const int64_t *arr, Py_ssize_t block_size,
                                  const uint8_t *extra, Py_ssize_t extra_len, Py_ssize_t start,
@@ -883,56 +940,55 @@ static PyObject *chain_memo_impl(const uint8_t *parent, Py_ssize_t parent_len, P
     /* tree mode: the walk position (None: no memo; a dict: flat, no position) */
     PyObject *pos = PyDict_Check(memo) || memo == Py_None ? NULL : Py_NewRef(memo);
     int use_memo = memo != Py_None;
-    /* lens, records, then the scratch input, in one buffer */
-    size_t rec_bytes = (size_t)(n * stride), wide_bytes = (size_t)(parent_len + stride);
-    uint8_t *mem = scratch_take(8 * (size_t)n + rec_bytes + wide_bytes);
-    Py_ssize_t *lens = (Py_ssize_t *)mem;
-    uint8_t *recs = mem + 8 * (size_t)n, *wide = recs + rec_bytes;
+    /* one block's record, then the scratch input */
+    uint8_t *rec = scratch_take((size_t)(stride + parent_len + stride)), *wide = rec + stride;
     PyObject *out[3] = {PyList_New(n), PyList_New(n), PyList_New(n)};
-    if (mem == NULL || !out[0] || !out[1] || !out[2]) {
-        if (mem == NULL) PyErr_NoMemory();
+    if (rec == NULL || !out[0] || !out[1] || !out[2]) {
+        if (rec == NULL) PyErr_NoMemory();
         goto fail;
-    }
-    for (Py_ssize_t b = 0; b < n; b++) {
-        uint8_t *rec = recs + b * stride;
-        memcpy(rec, extra, (size_t)extra_len);
-        Py_ssize_t lo = (start + b) * block_size;
-        Py_ssize_t got = tokens_to_record(rec + extra_len, seq, is_list, arr, lo, lo + block_size);
-        if (got < 0) goto fail;
-        lens[b] = extra_len + got;
     }
     const uint8_t *prev = parent;
     Py_ssize_t prev_len = parent_len;
     for (Py_ssize_t b = 0; b < n; b++) {
-        const uint8_t *rec = recs + b * stride;
-        Py_ssize_t rec_len = lens[b];
-        lazy_key key = {rec, rec_len, 0, 0};
-        if (prev_len != DIGEST) { /* an odd parent (block 0 only): key the whole record */
-            memcpy(wide, prev, (size_t)prev_len);
-            memcpy(wide + prev_len, rec, (size_t)rec_len);
-            key.key = input_key(wide, (size_t)(prev_len + rec_len));
-            key.known = 1;
-        }
-        int found = use_memo ? memo_hit(memo, &pos, &key, prev, prev_len, rec, rec_len, out, b)
-                             : 0;
+        Py_ssize_t lo = (start + b) * block_size;
+        int found = use_memo && pos != NULL && prev_len == DIGEST && is_native_node(pos)
+                        ? link_hit(&pos, prev, extra, extra_len, seq, arr, lo, block_size, out, b)
+                        : 0;
         if (found < 0) goto fail;
         if (!found) {
-            if (!PyDict_Check(memo)) use_memo = 0; /* off the tree: no later block is in it */
-            if (hash_block(key_of(&key), prev, prev_len, rec, rec_len, extra_len, block_size,
-                           wide, out, b) < 0)
-                goto fail;
+            memcpy(rec, extra, (size_t)extra_len);
+            Py_ssize_t got = tokens_to_record(rec + extra_len, seq, is_list, arr, lo,
+                                              lo + block_size);
+            if (got < 0) goto fail;
+            Py_ssize_t rec_len = extra_len + got;
+            lazy_key key = {rec, rec_len, 0, 0};
+            if (prev_len != DIGEST) { /* an odd parent (block 0 only): key the whole record */
+                memcpy(wide, prev, (size_t)prev_len);
+                memcpy(wide + prev_len, rec, (size_t)rec_len);
+                key.key = input_key(wide, (size_t)(prev_len + rec_len));
+                key.known = 1;
+            }
+            found = use_memo ? memo_hit(memo, &pos, &key, prev, prev_len, rec, rec_len, out, b)
+                             : 0;
+            if (found < 0) goto fail;
+            if (!found) {
+                if (!PyDict_Check(memo)) use_memo = 0; /* off the tree: no later block is */
+                if (hash_block(key_of(&key), prev, prev_len, rec, rec_len, extra_len,
+                               block_size, wide, out, b) < 0)
+                    goto fail;
+            }
         }
         prev = (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(out[0], b));
         prev_len = DIGEST;
     }
     Py_XDECREF(pos);
-    scratch_give(mem);
+    scratch_give(rec);
     PyObject *result = PyTuple_Pack(3, out[0], out[1], out[2]);
     for (int i = 0; i < 3; i++) Py_DECREF(out[i]);
     return result;
 fail:
     Py_XDECREF(pos);
-    scratch_give(mem);
+    scratch_give(rec);
     for (int i = 0; i < 3; i++) Py_XDECREF(out[i]);
     return NULL;
 }
