@@ -29,12 +29,12 @@ static PyObject *set_states(PyObject *m, PyObject *const *args, Py_ssize_t nargs
 
 /* An int attribute as a C long; -1 with an error set where it is not one. */
 static int get(PyObject *v, long *out) {
+    *out = 0;
     if (v == NULL) {
         PyErr_SetString(PyExc_AttributeError, "a node's attribute was deleted");
         return -1;
     }
-    *out = kvc_long(v);
-    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+    return kvc_get(v, out);
 }
 
 static int set(PyObject **slot, long v) {

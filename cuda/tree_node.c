@@ -551,8 +551,9 @@ static PyObject *match_ref(PyObject *module, PyObject *const *args, Py_ssize_t n
         return NULL;
     PyObject *hashes = args[1], *gpu = args[3], *cpu = args[4];
     limit = Py_MIN(limit, PyList_GET_SIZE(hashes));
-    PyObject *out = PyList_New(0), *gpu_unlisted = PyList_New(0), *cpu_unlisted = PyList_New(0),
-             *gpu_ids = PyList_New(0);
+    /* at most `limit` nodes and GPU ids: room for all of them up front */
+    PyObject *out = list_with_room(limit), *gpu_unlisted = PyList_New(0),
+             *cpu_unlisted = PyList_New(0), *gpu_ids = list_with_room(limit);
     Node *node = (Node *)Py_NewRef(args[0]);
     Py_ssize_t i = 0, idle = 0, n_gpu;
     if (!out || !gpu_unlisted || !cpu_unlisted || !gpu_ids)
@@ -575,8 +576,8 @@ static PyObject *match_ref(PyObject *module, PyObject *const *args, Py_ssize_t n
                              unlist(node, LRU_GPU, gpu_unlisted) < 0))
             goto fail;
         idle += was_idle;
-        if (PyList_Append(out, (PyObject *)node) < 0 || PyList_Append(gpu_ids, node->gpu) < 0)
-            goto fail;
+        list_push(out, Py_NewRef(node));
+        list_push(gpu_ids, Py_NewRef(node->gpu));
     }
     n_gpu = PyList_GET_SIZE(out);
     for (; i < limit; i++) {
@@ -593,8 +594,9 @@ static PyObject *match_ref(PyObject *module, PyObject *const *args, Py_ssize_t n
             goto fail;
         }
         if ((node->lru[LRU_CPU].listed && unlist(node, LRU_CPU, cpu_unlisted) < 0) ||
-            ref_up(node) < 0 || PyList_Append(out, (PyObject *)node) < 0)
+            ref_up(node) < 0)
             goto fail;
+        list_push(out, Py_NewRef(node));
     }
     Py_DECREF(node);
     return Py_BuildValue("(NnnNNN)", out, n_gpu, idle, gpu_unlisted, cpu_unlisted, gpu_ids);
@@ -615,8 +617,8 @@ static int sign_of(PyObject *v) {
         PyErr_SetString(PyExc_AttributeError, "unref_path: a node's attribute was deleted");
         return -2;
     }
-    long x = kvc_long(v);
-    if (x == -1 && PyErr_Occurred())
+    long x;
+    if (kvc_get(v, &x) < 0)
         return -2;
     return (x > 0) - (x < 0);
 }
@@ -643,12 +645,13 @@ static PyObject *unref_path(PyObject *module, PyObject *const *args, Py_ssize_t 
             goto fail;
         }
         Node *n = (Node *)item;
-        long ref = n->ref ? kvc_long(n->ref) : -1;
-        if (ref == -1 && (PyErr_Occurred() || !n->ref)) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_AttributeError, "unref_path: a node's ref was deleted");
+        long ref;
+        if (n->ref == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "unref_path: a node's ref was deleted");
             goto fail;
         }
+        if (kvc_get(n->ref, &ref) < 0)
+            goto fail;
         PyObject *down = PyLong_FromLong(ref - 1);
         if (down == NULL)
             goto fail;

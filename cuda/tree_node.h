@@ -29,23 +29,48 @@ typedef struct {
 } Node;
 
 /* An int attribute's value as a C long: a compact int (every counter, id and
- * clock in practice) read in place, anything else through PyLong_AsLong (-1
- * with an exception set when it is not an int or does not fit). The hot
- * loops read several per node, and the call was a visible part of them. */
-static inline long kvc_long(PyObject *o) {
+ * clock in practice) read in place, anything else through PyLong_AsLong.
+ * 0, or -1 with an exception set (not an int, or it does not fit). The hot
+ * loops read several per node, and the call (and its error test) was a
+ * visible part of them. */
+static inline int kvc_get(PyObject *o, long *out) {
     if (PyLong_CheckExact(o)) {
 #if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject *)o))
-            return (long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+        if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+            *out = (long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+            return 0;
+        }
 #else
         Py_ssize_t size = Py_SIZE(o);
-        if (size == 0)
+        if (size >= -1 && size <= 1) {
+            *out = size * (long)((PyLongObject *)o)->ob_digit[0];
             return 0;
-        if (size == 1 || size == -1)
-            return size * (long)((PyLongObject *)o)->ob_digit[0];
+        }
 #endif
     }
-    return PyLong_AsLong(o);
+    *out = PyLong_AsLong(o);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* kvc_get for callers that test `v == -1 && PyErr_Occurred()` themselves. */
+static inline long kvc_long(PyObject *o) {
+    long v;
+    kvc_get(o, &v);
+    return v;
+}
+
+/* A list with room for `cap` items and none in it yet: a loop fills it with
+ * list_push (at most cap items) without the list growing step by step. */
+static inline PyObject *list_with_room(Py_ssize_t cap) {
+    PyObject *l = PyList_New(cap > 0 ? cap : 0);
+    if (l != NULL)
+        Py_SET_SIZE(l, 0);
+    return l;
+}
+
+static inline void list_push(PyObject *l, PyObject *item /* stolen */) {
+    PyList_SET_ITEM(l, Py_SIZE(l), item);
+    Py_SET_SIZE(l, Py_SIZE(l) + 1);
 }
 
 extern PyTypeObject NodeType;
