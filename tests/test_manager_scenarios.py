@@ -311,3 +311,27 @@ def _path(mgr, tokens):
             break
         out.append(node)
     return out
+
+
+@pytest.mark.parametrize("how", ["eviction", "sleep"])
+def test_a_node_kept_for_storage_takes_the_cpu_copies_below_it_along(make_manager, how):
+    """A GPU node without a backup that storage still holds stays, as STORAGE,
+    when its GPU copy goes; its CPU-held children are unreachable from then on
+    (a match stops at a STORAGE node), so their host blocks go too rather
+    than sit under it."""
+    mgr = make_manager(num_gpu_blocks=4, num_cpu_blocks=4)
+    serve(mgr, "r1", toks(1, 2))  # "1"->0, "2"->1; free list [2, 3]
+    a = mgr.allocate("r2", toks(5, tail=5))  # needs 3: "2" is swapped out to host block 0
+    a.wait()
+    assert tier_of(mgr, toks(1, 2)) == [("GPU", 0, -1), ("CPU", -1, 0)]
+    one = next(n for n in mgr.tree.walk() if n.gpu == 0)
+    one.in_storage = True  # as a write-through would have left it
+    mgr.free("r2")
+    if how == "sleep":
+        mgr.sleep()  # every GPU copy goes
+    else:
+        mgr.pause()  # evictions drop instead of swapping out
+        mgr.allocate("r3", toks(7, 8, tail=5)).wait()  # needs all 4 GPU blocks
+    assert one.state.name == "STORAGE" and one.n_children == 0
+    assert mgr.cpu_pool.num_free == 4 and mgr.stats().evictions["cpu_dropped"] == 1
+    mgr.check_invariants()
