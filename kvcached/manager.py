@@ -703,7 +703,7 @@ def match_ref_py(root: Node, hashes: list[bytes], limit: int, GPU: Tier, CPU: Ti
 
 
 _MATCH_REF = native_match_ref or match_ref_py
-_NO_HIT = HitInfo()  # an allocation's hit until it is known (frozen: one serves all)
+_NO_HIT = HitInfo()  # an allocation's hit until it is known (immutable: one serves all)
 
 
 def _hashes_without_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
