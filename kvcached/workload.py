@@ -151,6 +151,7 @@ def replay(mgr, requests: Iterable[ChatRequest],
             a = mgr.allocate(req.request_id, req.prompt, reserve_tokens=len(req.output))
             a.wait()
         except NoFreeBlocks:
+            res["cpu_s"] += cpu() - c0
             res["rejected"] += 1
         else:
             t1 = clock()
@@ -158,8 +159,8 @@ def replay(mgr, requests: Iterable[ChatRequest],
             t2 = clock()
             mgr.free(req.request_id)
             t3 = clock()
+            res["cpu_s"] += cpu() - c0  # the calls only, not the bookkeeping below
             _record(res, req, a, bs, (t1 - t0, t2 - t1, t3 - t2))
-        res["cpu_s"] += cpu() - c0
         if on_progress is not None:
             on_progress(res["requests"], res)
     res["total_s"] = clock() - start
