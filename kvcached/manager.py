@@ -289,25 +289,33 @@ class CacheManager(EvictionMixin, FetchMixin):
         hits (load), then fresh blocks to compute into (``blocks``: the GPU hits'
         ids, then the new blocks)."""
         bs = self.block_size
-        swap = matched[n_gpu:]
-        new = blocks[n_gpu:]
         req.blocks = blocks
         req.nodes = matched  # the request owns the list from here on
-        req.alloc = Allocation(req.rid, req.blocks, 0, _NO_HIT, [], self._wait_allocation)
-        if swap:
-            self._plan_swap_in(req, swap, new[:len(swap)])
-        loads = []
-        if self.cfg.storage_backend:
-            parent = matched[-1] if matched else self.tree.root
-            limit = (req.num_tokens - 1) // bs
-            loads = self._plan_load(req, parent, len(matched), limit, new[len(swap):])
-            req.nodes.extend(loads)
-        hit = HitInfo(n_gpu * bs, len(swap) * bs, len(loads) * bs)
-        req.alloc.num_cached_tokens = len(req.nodes) * bs
-        req.alloc.hit = hit
+        req.alloc = alloc = Allocation(req.rid, blocks, 0, _NO_HIT, [], self._wait_allocation)
+        n_swap = n_load = 0
+        if len(matched) > n_gpu or self.cfg.storage_backend:
+            n_swap, n_load = self._plan_fetches(req, n_gpu)
+        alloc.hit = hit = HitInfo(n_gpu * bs, n_swap * bs, n_load * bs)
+        alloc.num_cached_tokens = len(req.nodes) * bs
         self._reqs[req.rid] = req
         self._counters.count_request(req.num_tokens, hit)
-        return req.alloc
+        return alloc
+
+    def _plan_fetches(self, req: _Request, n_gpu: int) -> tuple[int, int]:
+        """Swap-ins for the CPU hits after the ``n_gpu`` GPU hits, then loads of
+        what storage holds next; returns how many blocks of each."""
+        swap = req.nodes[n_gpu:]
+        new = req.blocks[n_gpu:]
+        if swap:
+            self._plan_swap_in(req, swap, new[:len(swap)])
+        if not self.cfg.storage_backend:
+            return len(swap), 0
+        start = len(req.nodes)
+        parent = req.nodes[-1] if start else self.tree.root
+        limit = (req.num_tokens - 1) // self.block_size
+        loads = self._plan_load(req, parent, start, limit, new[len(swap):])
+        req.nodes.extend(loads)
+        return len(swap), len(loads)
 
     # --------------------------------------------------------------- extend
     def extend(self, request_id: Hashable, num_tokens: int) -> list[int]:

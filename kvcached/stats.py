@@ -38,8 +38,7 @@ class Counters:
     def count_request(self, prompt_tokens: int, hit: HitInfo) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
-        for tier, tokens in (("gpu", hit.gpu_tokens), ("cpu", hit.cpu_tokens),
-                             ("storage", hit.storage_tokens)):
+        for tier, tokens in zip(TIERS, hit):  # HitInfo: gpu, cpu, storage tokens
             if tokens:
                 self.hit_tokens[tier] += tokens
                 self.hit_requests[tier] += 1
