@@ -193,7 +193,6 @@ static PyObject *child_of(Node *self, PyObject *h) {
 }
 
 static PyObject *node_child(PyObject *op, PyObject *h) { return child_of((Node *)op, h); }
-PyObject *kvc_child_of(Node *self, PyObject *h) { return child_of(self, h); }
 
 /* A branching node finds its children by memo key too: bykey[child.mkey]. */
 static int index_key(Node *self, PyObject *child) {
@@ -507,6 +506,20 @@ PyTypeObject NodeType = {
 };
 
 /* --------------------------------------------------------- match_ref */
+
+/* A list with room for `cap` items and none in it yet: a loop fills it with
+ * list_push (at most cap items) without the list growing step by step. */
+static inline PyObject *list_with_room(Py_ssize_t cap) {
+    PyObject *l = PyList_New(cap > 0 ? cap : 0);
+    if (l != NULL)
+        Py_SET_SIZE(l, 0);
+    return l;
+}
+
+static inline void list_push(PyObject *l, PyObject *item /* stolen */) {
+    PyList_SET_ITEM(l, Py_SIZE(l), item);
+    Py_SET_SIZE(l, Py_SIZE(l) + 1);
+}
 
 /* node.ref += 1; 1 if it was 0 before, 0 if not, -1 on error. */
 static int ref_up(Node *node) {

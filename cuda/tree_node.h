@@ -59,25 +59,10 @@ static inline long kvc_long(PyObject *o) {
     return v;
 }
 
-/* A list with room for `cap` items and none in it yet: a loop fills it with
- * list_push (at most cap items) without the list growing step by step. */
-static inline PyObject *list_with_room(Py_ssize_t cap) {
-    PyObject *l = PyList_New(cap > 0 ? cap : 0);
-    if (l != NULL)
-        Py_SET_SIZE(l, 0);
-    return l;
-}
-
-static inline void list_push(PyObject *l, PyObject *item /* stolen */) {
-    PyList_SET_ITEM(l, Py_SIZE(l), item);
-    Py_SET_SIZE(l, Py_SIZE(l) + 1);
-}
-
 extern PyTypeObject NodeType;
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
 /* tree_node.c */
-PyObject *kvc_child_of(Node *self, PyObject *h);       /* new ref, None, or NULL */
 int kvc_unlink_child(Node *self, PyObject *h);         /* -1 on error */
 int kvc_add_to(PyObject **slot, long d);               /* *slot += d; -1 on error */
 
