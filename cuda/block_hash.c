@@ -906,24 +906,28 @@ static int link_matches(PyObject *c, const uint8_t *prev, const uint8_t *extra,
 
 /* After a hit at chain link c: ask the cache for what the next blocks will
  * read, so their misses overlap this block's token reads instead of
- * stalling the walk one after another. The next node (prefetched one block
- * ago) gives its record, hash and key objects; its own child is fetched
- * for the block after. Only hints: nothing is read that is not yet needed
- * but from nodes already in the tree. */
+ * stalling the walk one after another. Two blocks ahead: the node there
+ * (its head prefetched one block ago) gives its record, hash and key
+ * objects, and its child's head is fetched for the step after. One block
+ * ahead left the record's lines arriving late (~8% of a resident request).
+ * Only hints: nothing is read but nodes already in the tree. */
 static void prefetch_ahead(PyObject *c) {
     PyObject *n1 = node_api->only_child(c);
     if (n1 == NULL)
         return;
-    const char *in = (const char *)node_api->input(n1);
+    PyObject *n2 = node_api->only_child(n1);
+    if (n2 == NULL)
+        return;
+    const char *in = (const char *)node_api->input(n2);
     if (in != NULL) /* a 64-token record: ~300 bytes; a prefetch past its end is harmless */
         for (int off = 0; off < 320; off += 64)
             __builtin_prefetch(in + off);
-    __builtin_prefetch(node_api->hash(n1));
-    __builtin_prefetch(node_api->mkey(n1));
-    PyObject *n2 = node_api->only_child(n1);
-    if (n2 != NULL)
-        for (int off = 0; off < 256; off += 64)
-            __builtin_prefetch((const char *)n2 + off);
+    __builtin_prefetch(node_api->hash(n2));
+    __builtin_prefetch(node_api->mkey(n2));
+    PyObject *n3 = node_api->only_child(n2);
+    if (n3 != NULL)
+        for (int off = 0; off < 128; off += 64)
+            __builtin_prefetch((const char *)n3 + off);
 }
 
 /* Block i at a chain link of the tree (pos has one child): 1 and the child's

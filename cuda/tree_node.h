@@ -20,8 +20,11 @@ enum { LRU_GPU = 0, LRU_CPU = 1 }; /* Node.lru[]: gpu_key, cpu_key */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *hash, *parent, *children, *state, *gpu, *cpu, *in_storage, *ref, *last_access,
-        *depth, *n_gpu_children, *n_cpu_children, *busy, *input, *mkey;
+    /* What the memo walk and match_ref read of every node they pass come
+     * first, so that they share the node's first cache lines. */
+    PyObject *children, *hash, *input, *mkey, *state, *ref, *gpu;
+    PyObject *parent, *cpu, *in_storage, *last_access, *depth, *n_gpu_children,
+        *n_cpu_children, *busy;
     PyObject *bykey; /* where children is a dict: memo key -> child (see memo_child) */
     uint64_t mkey_raw; /* mkey as a C integer when has_mkey: the walk compares it unboxed */
     int has_mkey;
