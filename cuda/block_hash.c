@@ -694,6 +694,15 @@ static inline int is_native_node(PyObject *o) {
     return node_api != NULL && Py_IS_TYPE(o, node_api->type);
 }
 
+/* A native node's fields, read in place (borrowed; NULL where unset). */
+static inline PyObject *node_only_child(PyObject *n) {
+    PyObject *c = ((kvc_node_head *)n)->children;
+    return c != NULL && Py_IS_TYPE(c, node_api->type) ? c : NULL;
+}
+static inline PyObject *node_input(PyObject *n) { return ((kvc_node_head *)n)->input; }
+static inline PyObject *node_hash(PyObject *n) { return ((kvc_node_head *)n)->hash; }
+static inline PyObject *node_mkey(PyObject *n) { return ((kvc_node_head *)n)->mkey; }
+
 /* The memo key of a block input (parent hash ‖ extra ‖ tokens): of what
  * follows the parent hash. The walk already stands on the parent, so the
  * block's own bytes pick the child, and a block's key comes from its own
@@ -730,7 +739,7 @@ static PyObject *memo_candidate(PyObject *memo, PyObject *pos, lazy_key *key,
     if (pos != NULL && is_native_node(pos)) {
         int err; /* on an error (a branching node's index) the exception is set */
         native_steps++;
-        PyObject *only = node_api->only_child(pos);
+        PyObject *only = node_only_child(pos);
         return Py_XNewRef(only != NULL ? only : node_api->memo_child(pos, key_of(key), &err));
     }
     if (!PyDict_Check(memo) && pos == NULL)
@@ -748,9 +757,9 @@ static PyObject *memo_candidate(PyObject *memo, PyObject *pos, lazy_key *key,
 /* A node's input, hash and memo key as new references (NULL where absent). */
 static void node_fields(PyObject *node, PyObject **input, PyObject **hash, PyObject **mkey) {
     if (is_native_node(node)) {
-        *input = Py_XNewRef(node_api->input(node));
-        *hash = Py_XNewRef(node_api->hash(node));
-        *mkey = Py_XNewRef(node_api->mkey(node));
+        *input = Py_XNewRef(node_input(node));
+        *hash = Py_XNewRef(node_hash(node));
+        *mkey = Py_XNewRef(node_mkey(node));
         return;
     }
     *input = PyObject_GetAttr(node, str_input);
@@ -878,7 +887,7 @@ static void scratch_give(uint8_t *p) {
 static int link_matches(PyObject *c, const uint8_t *prev, const uint8_t *extra,
                         Py_ssize_t extra_len, PyObject *seq, const int64_t *arr, Py_ssize_t lo,
                         Py_ssize_t bs) {
-    PyObject *in = node_api->input(c);
+    PyObject *in = node_input(c);
     Py_ssize_t size = DIGEST + extra_len + 4 * bs + 1;
     if (in == NULL || !PyBytes_CheckExact(in) || PyBytes_GET_SIZE(in) != size)
         return 0;
@@ -912,19 +921,19 @@ static int link_matches(PyObject *c, const uint8_t *prev, const uint8_t *extra,
  * ahead left the record's lines arriving late (~8% of a resident request).
  * Only hints: nothing is read but nodes already in the tree. */
 static void prefetch_ahead(PyObject *c) {
-    PyObject *n1 = node_api->only_child(c);
+    PyObject *n1 = node_only_child(c);
     if (n1 == NULL)
         return;
-    PyObject *n2 = node_api->only_child(n1);
+    PyObject *n2 = node_only_child(n1);
     if (n2 == NULL)
         return;
-    const char *in = (const char *)node_api->input(n2);
+    const char *in = (const char *)node_input(n2);
     if (in != NULL) /* a 64-token record: ~300 bytes; a prefetch past its end is harmless */
         for (int off = 0; off < 320; off += 64)
             __builtin_prefetch(in + off);
-    __builtin_prefetch(node_api->hash(n2));
-    __builtin_prefetch(node_api->mkey(n2));
-    PyObject *n3 = node_api->only_child(n2);
+    __builtin_prefetch(node_hash(n2));
+    __builtin_prefetch(node_mkey(n2));
+    PyObject *n3 = node_only_child(n2);
     if (n3 != NULL)
         for (int off = 0; off < 128; off += 64)
             __builtin_prefetch((const char *)n3 + off);
@@ -936,16 +945,16 @@ static void prefetch_ahead(PyObject *c) {
 static int link_hit(PyObject **pos, const uint8_t *prev, const uint8_t *extra,
                     Py_ssize_t extra_len, PyObject *seq, const int64_t *arr, Py_ssize_t lo,
                     Py_ssize_t bs, PyObject *out[3], Py_ssize_t i) {
-    PyObject *c = node_api->only_child(*pos);
+    PyObject *c = node_only_child(*pos);
     if (c == NULL)
         return 0;
     native_steps++;
-    PyObject *h = node_api->hash(c), *mkey = node_api->mkey(c);
+    PyObject *h = node_hash(c), *mkey = node_mkey(c);
     if (h == NULL || !PyBytes_Check(h) || PyBytes_GET_SIZE(h) != DIGEST || mkey == NULL ||
         !PyLong_CheckExact(mkey) || !link_matches(c, prev, extra, extra_len, seq, arr, lo, bs))
         return 0;
     PyList_SET_ITEM(out[0], i, Py_NewRef(h));
-    PyList_SET_ITEM(out[1], i, Py_NewRef(node_api->input(c)));
+    PyList_SET_ITEM(out[1], i, Py_NewRef(node_input(c)));
     PyList_SET_ITEM(out[2], i, Py_NewRef(mkey));
     Py_SETREF(*pos, Py_NewRef(c));
     prefetch_ahead(c);

@@ -25,7 +25,6 @@
  * plain object slots. PyNode is the fallback when this cannot be built.
  */
 #include "tree_node.h"
-#include "node_api.h"
 #include <structmember.h>
 static PyObject *default_state; /* Tier.STORAGE, set by set_default_state() */
 static Py_ssize_t live_nodes;   /* allocated and not yet freed: leak checks */
@@ -815,17 +814,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* The memo walk's view of a node (cuda/node_api.h). */
-static PyObject *api_only_child(PyObject *n) {
-    PyObject *c = ((Node *)n)->children;
-    return is_node(c) ? c : NULL;
-}
-static PyObject *api_input(PyObject *n) { return ((Node *)n)->input; }
-static PyObject *api_hash(PyObject *n) { return ((Node *)n)->hash; }
-static PyObject *api_mkey(PyObject *n) { return ((Node *)n)->mkey; }
-
+/* What the memo walk calls (cuda/node_api.h); it reads kvc_node_head in place. */
 static kvc_node_api node_api = {KVC_NODE_API_VERSION, sizeof(kvc_node_api), &NodeType,
-                                memo_child_raw, api_only_child, api_input, api_hash, api_mkey};
+                                memo_child_raw};
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_tree_node", "kvcached's prefix-tree node type.", -1, methods,

@@ -7,7 +7,10 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
+
+#include "node_api.h"
 
 /* A node's place in one LeafLRU: the live key (last_access, then inverted
  * depth and insertion order: see kvcached.tree.lru_key), or not listed. */
@@ -21,7 +24,8 @@ enum { LRU_GPU = 0, LRU_CPU = 1 }; /* Node.lru[]: gpu_key, cpu_key */
 typedef struct {
     PyObject_HEAD
     /* What the memo walk and match_ref read of every node they pass come
-     * first, so that they share the node's first cache lines. */
+     * first, so that they share the node's first cache lines; the first
+     * four are node_api.h's kvc_node_head. */
     PyObject *children, *hash, *input, *mkey, *state, *ref, *gpu;
     PyObject *parent, *cpu, *in_storage, *last_access, *depth, *n_gpu_children,
         *n_cpu_children, *busy;
@@ -61,6 +65,12 @@ static inline long kvc_long(PyObject *o) {
     kvc_get(o, &v);
     return v;
 }
+
+_Static_assert(offsetof(Node, children) == offsetof(kvc_node_head, children) &&
+                   offsetof(Node, hash) == offsetof(kvc_node_head, hash) &&
+                   offsetof(Node, input) == offsetof(kvc_node_head, input) &&
+                   offsetof(Node, mkey) == offsetof(kvc_node_head, mkey),
+               "Node must start as kvc_node_head (node_api.h)");
 
 extern PyTypeObject NodeType;
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
