@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from contextlib import ExitStack
@@ -285,7 +286,7 @@ def main() -> None:
     scenarios = {"chat": (args.gpu_blocks, args.cpu_blocks),
                  "chat_gpu_resident": (8 * args.gpu_blocks, 0)}
     repeats = args.chat_repeats or (1 if args.quick else 3)
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()
     with short_tmp_dir("kvbm-") as tmp:
         ours, theirs = chat_rounds(tmp, scenarios, requests, repeats, args.seed, baseline)
         eviction = bench_eviction(tmp, sizes, 10_000, rounds, args.chain, args.chunk)
@@ -293,7 +294,10 @@ def main() -> None:
     fd_runs = {name: median_run(rs) for name, rs in theirs.items() if rs}
     emit({"bench": "manager", "quick": args.quick, "block_size": BLOCK_SIZE, **runs,
           "eviction": eviction, "fastdeploy": fd_runs, **speed_vs_fastdeploy(ours, theirs),
-          "total_s": time.perf_counter() - t0})
+          "total_s": time.perf_counter() - t0,
+          # 1-minute load average before and after: other jobs on the machine
+          # slow this memory-bound replay more than FastDeploy's interpreter-bound one
+          "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]})
 
 
 def chat_rounds(tmp, scenarios: dict[str, tuple[int, int]], requests: int, repeats: int,

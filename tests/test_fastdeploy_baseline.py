@@ -84,3 +84,20 @@ def test_a_gpu_tier_too_small_for_any_prompt_is_named(tmp_path):
     import bench_manager
     with pytest.raises(SystemExit, match="more than 16 GPU blocks .raise --gpu-blocks."):
         bench_manager.bench_chat(tmp_path, 5, 16, 0, 0)
+
+
+def test_the_benchmark_runs_end_to_end_and_ends_with_its_json_line():
+    """The command docs/benchmarks.md quotes, small: every phase runs and the
+    last line carries what the docs read (including the machine's load)."""
+    import json
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_manager.py"
+    out = subprocess.run([sys.executable, str(script), "--quick", "--no-fastdeploy",
+                          "--requests", "30", "--sizes", "1000,2000"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["chat"]["served"] + res["chat"]["rejected"] == 30
+    assert res["chat_gpu_resident"]["us_per_block"] > 0
+    assert set(res["eviction"]["ns_per_block"]) == {"1000", "2000"}
+    assert len(res["load_avg_1m"]) == 2 and all(x >= 0 for x in res["load_avg_1m"])
+    assert "times_cheaper_than_fastdeploy" not in res  # no baseline was run
