@@ -917,9 +917,10 @@ static int link_matches(PyObject *c, const uint8_t *prev, const uint8_t *extra,
  * read, so their misses overlap this block's token reads instead of
  * stalling the walk one after another. Two blocks ahead: the node there
  * (its head prefetched one block ago) gives its record, hash and key
- * objects, and its child's head is fetched for the step after. One block
- * ahead left the record's lines arriving late (~8% of a resident request).
- * Only hints: nothing is read but nodes already in the tree. */
+ * objects, and its child's head is fetched for the step after (depth 2 vs
+ * 1, in-process replays: a few percent at most, within this machine's
+ * noise; docs/benchmarks.md). Only hints: nothing is read but nodes already
+ * in the tree. */
 static void prefetch_ahead(PyObject *c) {
     PyObject *n1 = node_only_child(c);
     if (n1 == NULL)
