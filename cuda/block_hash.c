@@ -30,10 +30,10 @@
  *   impls() -> tuple[str]     the ones this CPU runs, best first
  *   set_impl(name) -> str     switch (tests, benchmarks); returns the previous
  *
- * A block's memo record is its hash input with the token ids narrowed:
- * parent ‖ extra ‖ ids as little-endian uint32 ‖ 0x04, or, when an id does
- * not fit, parent ‖ extra ‖ ids as int64 ‖ 0x08. Equal records, equal hash
- * inputs, equal hashes: a hit compares records exactly.
+ * A block's memo record is its hash input with the token ids narrowed to
+ * the narrowest little-endian form all of them fit: parent ‖ extra ‖ ids as
+ * uint16 ‖ 0x02, as uint32 ‖ 0x04, or as int64 ‖ 0x08. Equal records, equal
+ * hash inputs, equal hashes: a hit compares records exactly.
  *
  * Errors: OverflowError for an int outside int64, TypeError for an item that
  * is not an int (a float, a numpy scalar, None) or a buffer that is not
@@ -109,6 +109,21 @@ static inline uint32_t load32_le(const uint8_t *p) {
 #else
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 #endif
+}
+
+static inline uint32_t load16_le(const uint8_t *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+#else
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8;
+#endif
+}
+
+static inline void store16_le(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
 }
 
 static inline void store32_le(uint8_t *p, uint32_t v) {
@@ -423,7 +438,7 @@ static inline void b2b_final(b2b_state *s, uint8_t out[DIGEST]) {
 
 /* Fast read of an int that fits in two digits (every realistic token id):
  * 1 if *out was set, 0 to take the general path. */
-static inline int small_long(PyObject *o, int64_t *out) {
+static inline __attribute__((always_inline)) int small_long(PyObject *o, int64_t *out) {
 #if PY_VERSION_HEX >= 0x030C0000
     if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
         *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
@@ -639,10 +654,12 @@ static int tokens_to_bytes(uint8_t *out, PyObject *seq, int is_list, const int64
 }
 
 /* A block's tokens [lo, hi) as its memo record's token part, at out: as
- * little-endian uint32 when every id fits (every real vocabulary), else as
- * int64 (the hash input's own form), then one byte saying which (4 or 8).
- * Returns the bytes written, -1 with an exception set. Remembered inputs are
- * most of the memo's memory, and reading them most of a hit's cost. */
+ * little-endian uint16 when every id fits (vocabularies up to 64K), else
+ * uint32 when every id fits (every real vocabulary), else int64 (the hash
+ * input's own form), then one byte saying which (2, 4 or 8). The form is a
+ * function of the ids, so equal blocks have equal records. Returns the bytes
+ * written, -1 with an exception set. Remembered inputs are most of the
+ * memo's memory, and reading them a good part of a hit's cost. */
 static Py_ssize_t tokens_to_record(uint8_t *out, PyObject *seq, int is_list, const int64_t *arr,
                                    Py_ssize_t lo, Py_ssize_t hi) {
     Py_ssize_t n = hi - lo;
@@ -673,14 +690,22 @@ static Py_ssize_t tokens_to_record(uint8_t *out, PyObject *seq, int is_list, con
         out[8 * n] = 8;
         return 8 * n + 1;
     }
-    out[4 * n] = 4;
-    return 4 * n + 1;
+    if (wide >> 16) {
+        out[4 * n] = 4;
+        return 4 * n + 1;
+    }
+    /* narrow in place: entry i moves from 4i to 2i, never over one not yet read */
+    for (Py_ssize_t i = 0; i < n; i++) store16_le(out + 2 * i, load32_le(out + 4 * i));
+    out[2 * n] = 2;
+    return 2 * n + 1;
 }
 
 /* n tokens of a record's token part `tok` (tokens_to_record's output, ids
  * `width` bytes wide) as the hash input's int64s, at out. */
 static void record_tokens_to_input(uint8_t *out, const uint8_t *tok, Py_ssize_t n, int width) {
-    if (width == 4) {
+    if (width == 2) {
+        for (Py_ssize_t i = 0; i < n; i++) store64_le(out + 8 * i, load16_le(tok + 2 * i));
+    } else if (width == 4) {
         for (Py_ssize_t i = 0; i < n; i++) store64_le(out + 8 * i, load32_le(tok + 4 * i));
     } else {
         memcpy(out, tok, (size_t)(8 * n));
@@ -877,40 +902,53 @@ static void scratch_give(uint8_t *p) {
         PyMem_Free(p);
 }
 
+/* Whether the ints items[0..bs) are exactly the record's ids `tok` (`width`
+ * bytes each: 2 or 4). An id that does not fit the width makes the xor
+ * nonzero, so equal here means equal records. (Prefetching the token objects
+ * 64 ahead here was 7% slower: docs/benchmarks.md.) */
+static inline __attribute__((always_inline)) int ids_match(PyObject *const *items,
+                                                           const uint8_t *tok, Py_ssize_t bs,
+                                                           int width) {
+    uint64_t diff = 0;
+    for (Py_ssize_t i = 0; i < bs; i++) {
+        int64_t v;
+        if (!Py_IS_TYPE(items[i], &PyLong_Type) || !small_long(items[i], &v))
+            return 0;
+        diff |= (uint64_t)v ^ (width == 2 ? load16_le(tok + 2 * i) : load32_le(tok + 4 * i));
+    }
+    return diff == 0;
+}
+
 /* Whether block [lo, lo + bs) under parent hash `prev` (DIGEST bytes) and
  * `extra` is exactly node c's record, read straight from the token objects:
  * a hit at a chain link then needs no record of its own. The record of a
- * block whose ids all fit in uint32 is prev ‖ extra ‖ ids as uint32 ‖ 4, so
- * equal here means equal records. 0 on anything unusual (an id that needs
- * int64, a token that is not a plain int, a list that shrank): the general
- * path then decides, and words any error. */
+ * block whose ids all fit in uint16 (uint32) is prev ‖ extra ‖ the ids as
+ * uint16 (uint32) ‖ 2 (4), so equal ids mean equal records. 0 on anything
+ * unusual (an id that needs int64, a token that is not a plain int, a list
+ * that shrank): the general path then decides, and words any error. */
 static int link_matches(PyObject *c, const uint8_t *prev, const uint8_t *extra,
                         Py_ssize_t extra_len, PyObject *seq, const int64_t *arr, Py_ssize_t lo,
                         Py_ssize_t bs) {
     PyObject *in = node_input(c);
-    Py_ssize_t size = DIGEST + extra_len + 4 * bs + 1;
-    if (in == NULL || !PyBytes_CheckExact(in) || PyBytes_GET_SIZE(in) != size)
+    if (in == NULL || !PyBytes_CheckExact(in))
         return 0;
-    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(in), *tok = p + DIGEST + extra_len;
-    if (p[size - 1] != 4 || memcmp(p, prev, DIGEST) != 0 ||
+    Py_ssize_t size = PyBytes_GET_SIZE(in), head = DIGEST + extra_len;
+    int width = size == head + 2 * bs + 1 ? 2 : size == head + 4 * bs + 1 ? 4 : 0;
+    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(in), *tok = p + head;
+    if (width == 0 || p[size - 1] != width || memcmp(p, prev, DIGEST) != 0 ||
         memcmp(p + DIGEST, extra, (size_t)extra_len) != 0)
         return 0;
-    uint64_t diff = 0; /* nonzero once an id differs or does not fit in uint32 */
     if (arr != NULL) {
+        uint64_t diff = 0;
         for (Py_ssize_t i = 0; i < bs; i++)
-            diff |= (uint64_t)arr[lo + i] ^ load32_le(tok + 4 * i);
+            diff |= (uint64_t)arr[lo + i] ^
+                    (width == 2 ? load16_le(tok + 2 * i) : load32_le(tok + 4 * i));
         return diff == 0;
     }
     if (lo + bs > Py_SIZE(seq))
         return 0;
     PyObject *const *items = PySequence_Fast_ITEMS(seq) + lo;
-    for (Py_ssize_t i = 0; i < bs; i++) {
-        int64_t v;
-        if (!Py_IS_TYPE(items[i], &PyLong_Type) || !small_long(items[i], &v))
-            return 0;
-        diff |= (uint64_t)v ^ load32_le(tok + 4 * i);
-    }
-    return diff == 0;
+    return width == 2 ? ids_match(items, tok, bs, 2) : ids_match(items, tok, bs, 4);
 }
 
 /* After a hit at chain link c: ask the cache for what the next blocks will
@@ -919,9 +957,10 @@ static int link_matches(PyObject *c, const uint8_t *prev, const uint8_t *extra,
  * (its head prefetched one block ago) gives its record, hash and key
  * objects, and its child's head is fetched for the step after (depth 2 vs
  * 1, in-process replays: a few percent at most, within this machine's
- * noise; docs/benchmarks.md). Only hints: nothing is read but nodes already
- * in the tree. */
-static void prefetch_ahead(PyObject *c) {
+ * noise; docs/benchmarks.md). `record_reach`: the bytes of c's record
+ * object, the likely size of the next ones (a tree's records mostly share a
+ * width). Only hints: nothing is read but nodes already in the tree. */
+static void prefetch_ahead(PyObject *c, Py_ssize_t record_reach) {
     PyObject *n1 = node_only_child(c);
     if (n1 == NULL)
         return;
@@ -929,8 +968,8 @@ static void prefetch_ahead(PyObject *c) {
     if (n2 == NULL)
         return;
     const char *in = (const char *)node_input(n2);
-    if (in != NULL) /* a 64-token record: ~300 bytes; a prefetch past its end is harmless */
-        for (int off = 0; off < 320; off += 64)
+    if (in != NULL) /* a prefetch past its end is harmless */
+        for (int off = 0; off < record_reach; off += 64)
             __builtin_prefetch(in + off);
     __builtin_prefetch(node_hash(n2));
     __builtin_prefetch(node_mkey(n2));
@@ -958,7 +997,7 @@ static int link_hit(PyObject **pos, const uint8_t *prev, const uint8_t *extra,
     PyList_SET_ITEM(out[1], i, Py_NewRef(node_input(c)));
     PyList_SET_ITEM(out[2], i, Py_NewRef(mkey));
     Py_SETREF(*pos, Py_NewRef(c));
-    prefetch_ahead(c);
+    prefetch_ahead(c, sizeof(PyBytesObject) + PyBytes_GET_SIZE(node_input(c)));
     return 1;
 }
 

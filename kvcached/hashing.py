@@ -96,7 +96,7 @@ def block_hashes_memo(parent: bytes, token_ids: Sequence[int], block_size: int,
     node ``memo_child(key)``, and the first miss ends the walk), a flat dict
     ``{key: node}``, or None (no memo). A candidate has ``input`` (its memo
     record: the bytes it was hashed from, parent hash ‖ extra key ‖ tokens,
-    with token ids narrowed to uint32 where they fit; see ``hash_input``) and
+    with token ids narrowed to uint16 or uint32 where they fit; see ``hash_input``) and
     ``hash``: when a block's record equals a node's, the node's hash is taken
     (equal records, equal inputs, equal hashes; the key, computed from what
     follows the parent hash, only picks the candidate). Returns ``(hashes,
@@ -132,16 +132,16 @@ def memo_key(record: bytes) -> int:
 
 def hash_input(record: bytes, block_size: int) -> bytes:
     """The BLAKE2b input a memo record stands for (parent ‖ extra ‖ tokens as
-    int64): a record narrows the ids to uint32 when they all fit, marked by
-    its last byte (4, or 8 for the int64 form)."""
+    int64): a record narrows the ids to uint16 or uint32 when they all fit,
+    marked by its last byte (2, 4, or 8 for the int64 form)."""
     width = record[-1] if record else 0
-    if width not in (4, 8) or len(record) < 1 + width * block_size:
+    if width not in (2, 4, 8) or len(record) < 1 + width * block_size:
         raise ValueError(f"not a memo record of {block_size}-token blocks "
                          f"({len(record)} bytes, width byte {width})")
     split = len(record) - 1 - width * block_size
     ids = record[split:-1]
-    if width == 4:
-        ids = np.frombuffer(ids, dtype="<u4").astype("<i8").tobytes()
+    if width != 8:
+        ids = np.frombuffer(ids, dtype=f"<u{width}").astype("<i8").tobytes()
     return record[:split] + ids
 
 

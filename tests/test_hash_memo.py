@@ -36,9 +36,9 @@ def remember(memo: dict, hashed: tuple) -> None:
         memo[key] = Entry(block_input, h)
 
 
-def tokens(seed: int, n: int) -> list[int]:
+def tokens(seed: int, n: int, vocab: int = 200_000) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(200_000) for _ in range(n)]
+    return [rng.randrange(vocab) for _ in range(n)]
 
 
 def test_without_memo_entries_it_is_block_hashes(native):
@@ -78,6 +78,31 @@ def test_ids_outside_uint32_keep_the_int64_form(native, odd):
     assert again[0] == want and all(a is b for a, b in zip(again[1], first[1]))
     # the same ids as int64 array: the same records
     assert block_hashes_memo(NS, np.array(toks, dtype=np.int64), BS, None, None)[1] == first[1]
+
+
+def test_ids_that_fit_in_uint16_get_the_narrowest_records(native):
+    """A vocabulary under 64K (Llama 2, Mistral) gives records of uint16 ids
+    (width byte 2): a block is as wide as its widest id needs, blocks of one
+    prompt may differ, and every form stands for the same int64 input."""
+    toks = tokens(8, 3 * BS, vocab=1 << 16)
+    toks[5] = 0xFFFF  # still fits
+    toks[BS + 3] = 0x10000  # does not: this block alone is uint32
+    want = block_hashes(NS, toks, BS, "lora")
+    memo: dict = {}
+    first = block_hashes_memo(NS, toks, BS, "lora", memo)
+    assert first[0] == want
+    assert [r[-1] for r in first[1]] == [2, 4, 2]
+    assert first[1][0] == NS + b"lora" + np.array(toks[:BS], dtype="<u2").tobytes() + b"\x02"
+    parent = NS
+    for i, (h, record) in enumerate(zip(first[0], first[1])):
+        block_input = parent + b"lora" + np.array(toks[i * BS:(i + 1) * BS], dtype="<i8").tobytes()
+        assert hashing.hash_input(record, BS) == block_input
+        parent = h
+    remember(memo, first)
+    again = block_hashes_memo(NS, toks, BS, "lora", memo)
+    assert again[0] == want and all(a is b for a, b in zip(again[1], first[1]))
+    arr = block_hashes_memo(NS, np.array(toks, dtype=np.int64), BS, "lora", None)
+    assert arr[1] == first[1]
 
 
 def test_hash_input_rejects_what_is_not_a_record():
@@ -233,15 +258,15 @@ class Proxy:
         return None if child is None else Proxy(child)
 
 
-def native_tree(n_chains: int, blocks: int, seed: int):
+def native_tree(n_chains: int, blocks: int, seed: int, vocab: int = 200_000):
     import kvcached.tree as tree_mod
     if tree_mod.native_node_error is not None:
         pytest.skip("tree-mode memo needs native nodes")
     tree = tree_mod.BlockTree()
     prompts = []
-    shared = tokens(seed, 2 * BS)  # every chain shares two blocks: the root branches below them
+    shared = tokens(seed, 2 * BS, vocab)  # every chain shares two blocks: the root branches below
     for c in range(n_chains):
-        toks = shared + tokens(seed + 1 + c, (blocks - 2) * BS)
+        toks = shared + tokens(seed + 1 + c, (blocks - 2) * BS, vocab)
         hashes, inputs, keys = block_hashes_memo(NS, toks, BS, None, None)
         node = tree.root
         for h, x, k in zip(hashes, inputs, keys):
@@ -292,6 +317,31 @@ def test_a_chain_link_is_matched_by_its_record_alone(native):
     assert got[0] == hashes
     assert all(g is n.hash for g, n in zip(got[0], path))  # every block a hit
     assert got[2][3] is link.mkey
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_uint16_link_tells_apart_ids_equal_in_their_low_16_bits(native, as_array):
+    """A link's uint16 record is compared with the token ints themselves: an id
+    of 2^16 + x must not pass for x, anywhere in the block, and the block's
+    hash must then be its own (BLAKE2b), not the node's."""
+    tree, prompts = native_tree(3, 6, seed=32, vocab=1 << 16)
+    toks = prompts[0]
+    hashes = block_hashes(NS, toks, BS)
+    path, node = [], tree.root
+    for h in hashes[:3]:
+        node = node.child(h)
+        path.append(node)
+    assert node.n_children == 1 and node.child(hashes[3]).input[-1] == 2
+    for pos in (3 * BS, 3 * BS + BS // 2, 4 * BS - 1):
+        other = list(toks)
+        other[pos] += 1 << 16
+        want = block_hashes(NS, other, BS)
+        got = block_hashes_memo(NS, np.array(other) if as_array else other, BS, None, tree.root)
+        assert got[0] == want and want[3] != hashes[3]
+        assert all(g is n.hash for g, n in zip(got[0], path))  # the blocks before: hits
+        assert got[1][3][-1] == 4  # the block's own record, as wide as its ids need
+    same = block_hashes_memo(NS, np.array(toks) if as_array else toks, BS, None, tree.root)
+    assert same[0] == hashes and same[1][3] is node.child(hashes[3]).input
 
 
 def test_the_memo_key_leaves_out_the_parent_hash(native):
