@@ -258,16 +258,16 @@ class Proxy:
         return None if child is None else Proxy(child)
 
 
-def native_tree(n_chains: int, blocks: int, seed: int, vocab: int = 200_000):
+def native_tree(n_chains: int, blocks: int, seed: int, vocab: int = 200_000, bs: int = BS):
     import kvcached.tree as tree_mod
     if tree_mod.native_node_error is not None:
         pytest.skip("tree-mode memo needs native nodes")
     tree = tree_mod.BlockTree()
     prompts = []
-    shared = tokens(seed, 2 * BS, vocab)  # every chain shares two blocks: the root branches below
+    shared = tokens(seed, 2 * bs, vocab)  # every chain shares two blocks: the root branches below
     for c in range(n_chains):
-        toks = shared + tokens(seed + 1 + c, (blocks - 2) * BS, vocab)
-        hashes, inputs, keys = block_hashes_memo(NS, toks, BS, None, None)
+        toks = shared + tokens(seed + 1 + c, (blocks - 2) * bs, vocab)
+        hashes, inputs, keys = block_hashes_memo(NS, toks, bs, None, None)
         node = tree.root
         for h, x, k in zip(hashes, inputs, keys):
             node = node.child(h) or tree.add_child(node, h, x, k)
@@ -342,6 +342,88 @@ def test_a_uint16_link_tells_apart_ids_equal_in_their_low_16_bits(native, as_arr
         assert got[1][3][-1] == 4  # the block's own record, as wide as its ids need
     same = block_hashes_memo(NS, np.array(toks) if as_array else toks, BS, None, tree.root)
     assert same[0] == hashes and same[1][3] is node.child(hashes[3]).input
+
+
+@pytest.fixture(params=[False, True], ids=["one-by-one", "gathered"])
+def gather(request, native):
+    """Chain links' token ids compared with AVX2 gathers, or one by one."""
+    try:
+        before = native.set_gather(request.param)
+    except ValueError as e:
+        pytest.skip(str(e))
+    yield request.param
+    native.set_gather(before)
+
+
+class IntSub(int):
+    pass
+
+
+@pytest.mark.parametrize("vocab,bs", [(1 << 16, 16), (200_000, 16), (1 << 16, 6), (200_000, 2)])
+def test_a_link_compares_every_id_exactly(native, gather, vocab, bs):
+    """At a chain link, a block that differs from the node's record in any one
+    token, in any way (another id, an id outside the record's width, a
+    two-digit int equal in its low digit, zero, a negative id), gets its own
+    hash; the same ids as other int-like objects (a subclass, numpy ints, a
+    tuple of them) hit. Gathered or one by one, at every position of the
+    groups of four and of a block's tail. (A list holding numpy ints takes
+    the reference path: equal hashes, no memo.)"""
+    tree, prompts = native_tree(3, 6, seed=33, vocab=vocab, bs=bs)
+    toks = prompts[0]
+    hashes = block_hashes(NS, toks, bs)
+    path, node = [], tree.root
+    for h in hashes:
+        node = node.child(h)
+        path.append(node)
+    assert path[2].n_children == 1  # block 3 is a chain link
+    for pos in range(3 * bs, 4 * bs):
+        v = toks[pos]
+        for odd in (v + 1, v + (1 << 16), v + (1 << 30), 0 if v else 1, -v - 1):
+            other = list(toks)
+            other[pos] = odd
+            want = block_hashes(NS, other, bs)
+            got = block_hashes_memo(NS, other, bs, None, tree.root)
+            assert got[0] == want and want[3] != hashes[3], (pos, odd)
+            assert all(g is n.hash for g, n in zip(got[0][:3], path))
+        for alike in (IntSub(v), np.int64(v), np.uint16(v) if v < 1 << 16 else np.uint32(v)):
+            other = list(toks)
+            other[pos] = alike
+            for form in (other, tuple(other)):
+                got = block_hashes_memo(NS, form, bs, None, tree.root)
+                assert got[0] == hashes, (pos, alike)
+                if type(alike) is IntSub:  # an int: the memo's path, every block a hit
+                    assert all(g is n.hash for g, n in zip(got[0], path)), pos
+    # a block holding id 0 (an int of no digits) hits as well
+    toks0 = list(toks)
+    toks0[3 * bs + 1] = 0
+    want = block_hashes(NS, toks0, bs)
+    first = block_hashes_memo(NS, toks0, bs, None, tree.root)
+    assert first[0] == want
+    node = path[2]
+    for h, x, k in zip(first[0][3:], first[1][3:], first[2][3:]):
+        node = node.child(h) or tree.add_child(node, h, x, k)
+    again = block_hashes_memo(NS, toks0, bs, None, tree.root)
+    assert again[0] == want and all(a is b for a, b in zip(again[0], first[0]))
+
+
+def test_a_link_refuses_a_token_that_only_looks_like_an_int(native, gather):
+    """A 1-tuple's memory reads like a one-digit int's (size 1, then its item's
+    address): at a link whose record holds the low 32 bits of that address,
+    the tuple must still be refused as a token, never taken for the id."""
+    tree, _ = native_tree(0, 0, seed=34)  # an empty tree
+    item = object()
+    toks = tokens(34, 6 * BS)
+    toks[3 * BS + 2] = id(item) & 0xFFFFFFFF
+    hashed = block_hashes_memo(NS, toks, BS, None, tree.root)
+    assert hashed[1][3][-1] == 4  # a uint32 record holds the id
+    node = tree.root
+    for h, x, k in zip(*hashed):
+        node = tree.add_child(node, h, x, k)  # one chain: every block is a link
+    assert block_hashes_memo(NS, toks, BS, None, tree.root)[0] == hashed[0]
+    other = list(toks)
+    other[3 * BS + 2] = (item,)
+    with pytest.raises(TypeError):
+        block_hashes_memo(NS, other, BS, None, tree.root)
 
 
 def test_the_memo_key_leaves_out_the_parent_hash(native):
