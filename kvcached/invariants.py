@@ -135,6 +135,8 @@ def _check_lru(mgr: CacheManager, nodes: list[Node]) -> None:
             extra = list(actual - expected)[:3]
             missing = list(expected - actual)[:3]
             _fail(f"{name} LRU differs from the evictable leaves: extra {extra}, missing {missing}")
+        if lru.size != len(actual):  # what eviction and stats() take for its length
+            _fail(f"{name} LRU size is {lru.size}, it lists {len(actual)} nodes")
 
 
 def _check_memo(mgr: CacheManager, nodes: list[Node]) -> None:

@@ -38,10 +38,17 @@ class Counters:
     def count_request(self, prompt_tokens: int, hit: HitInfo) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
-        for tier, tokens in zip(TIERS, hit):  # HitInfo: gpu, cpu, storage tokens
-            if tokens:
-                self.hit_tokens[tier] += tokens
-                self.hit_requests[tier] += 1
+        gpu, cpu, storage = hit  # every request: three tests, no loop over the tiers
+        if gpu:
+            self._count_hit("gpu", gpu)
+        if cpu:
+            self._count_hit("cpu", cpu)
+        if storage:
+            self._count_hit("storage", storage)
+
+    def _count_hit(self, tier: str, tokens: int) -> None:
+        self.hit_tokens[tier] += tokens
+        self.hit_requests[tier] += 1
 
     def _kind(self, kind: str) -> dict[str, Any]:
         d = self.tasks.get(kind)
