@@ -14,9 +14,12 @@ manager: hashing, matching, the tree, the pools, eviction.
    imported torch heap (~100 ms) is not charged to whichever call it hits.
    The same replay runs through FastDeploy's own manager as the baseline of
    the speed target (``_fastdeploy_baseline.py``; when its source is found),
-   taking turns with kvcached's; each scenario runs 3 times, the median is
+   taking turns with kvcached's; each scenario runs 7 times, the median is
    reported, and ``times_cheaper_than_fastdeploy`` is the ratio per block,
-   by wall time and by CPU time (target: 10x in both).
+   by wall time and by CPU time (target: 10x in both): the median of the 7
+   pairs' ratios. (One pair's ratio swings by 10-20% on a shared machine,
+   more than the target's margin; 3 pairs, as before, made the verdict
+   flip between runs of the same code: docs/benchmarks.md.)
 2. Eviction scaling: a GPU-only tree of N cached blocks (N = 10K, 100K, 1M;
    chains of a few blocks, so the LRU holds N/chain leaves) in a pool of N
    blocks plus a little slack; then allocations that each need ``chunk``
@@ -272,7 +275,7 @@ def main() -> None:
                          "(default: shared/reference's copy; skipped if absent)")
     ap.add_argument("--no-fastdeploy", action="store_true", help="skip the baseline")
     ap.add_argument("--chat-repeats", type=int, default=None,
-                    help="replays per scenario, median reported (3; quick 1)")
+                    help="replays per scenario, median reported (7; quick 1)")
     args = ap.parse_args()
     requests = args.requests or (600 if args.quick else 3000)
     rounds = 3 if args.quick else 7
@@ -285,7 +288,7 @@ def main() -> None:
     # bookkeeping floor (hash, match, ref, commit, free) without tier churn.
     scenarios = {"chat": (args.gpu_blocks, args.cpu_blocks),
                  "chat_gpu_resident": (8 * args.gpu_blocks, 0)}
-    repeats = args.chat_repeats or (1 if args.quick else 3)
+    repeats = args.chat_repeats or (1 if args.quick else 7)
     t0, load_before = time.perf_counter(), os.getloadavg()
     with short_tmp_dir("kvbm-") as tmp:
         ours, theirs = chat_rounds(tmp, scenarios, requests, repeats, args.seed, baseline)
