@@ -275,6 +275,15 @@ def native_tree(n_chains: int, blocks: int, seed: int, vocab: int = 200_000, bs:
     return tree, prompts
 
 
+def tree_path(tree, hashes: list[bytes]) -> list:
+    """The nodes of a cached prefix, top down."""
+    path, node = [], tree.root
+    for h in hashes:
+        node = node.child(h)
+        path.append(node)
+    return path
+
+
 def test_native_nodes_are_read_directly_with_the_same_results(native):
     """kvcached.tree hands its node type to the hashing extension (a capsule),
     and the walk then reads native nodes' fields in C: it must agree exactly
@@ -306,10 +315,7 @@ def test_a_chain_link_is_matched_by_its_record_alone(native):
     tree, prompts = native_tree(3, 6, seed=31)
     toks = prompts[0]
     hashes = block_hashes(NS, toks, BS)
-    path, node = [], tree.root
-    for h in hashes:
-        node = node.child(h)
-        path.append(node)
+    path = tree_path(tree, hashes)
     link = path[3]  # below the branch at block 2, its parent has no other child
     assert link.parent.n_children == 1 and path[1].n_children == 3
     link.mkey ^= 1
@@ -327,10 +333,8 @@ def test_a_uint16_link_tells_apart_ids_equal_in_their_low_16_bits(native, as_arr
     tree, prompts = native_tree(3, 6, seed=32, vocab=1 << 16)
     toks = prompts[0]
     hashes = block_hashes(NS, toks, BS)
-    path, node = [], tree.root
-    for h in hashes[:3]:
-        node = node.child(h)
-        path.append(node)
+    path = tree_path(tree, hashes[:3])
+    node = path[-1]
     assert node.n_children == 1 and node.child(hashes[3]).input[-1] == 2
     for pos in (3 * BS, 3 * BS + BS // 2, 4 * BS - 1):
         other = list(toks)
@@ -359,6 +363,13 @@ class IntSub(int):
     pass
 
 
+def test_set_gather_switches_and_returns_the_previous_setting(native, gather):
+    if not gather:  # the gathered case switches both ways (and skips where unavailable)
+        pytest.skip("covered by the gathered case")
+    assert native.set_gather(False) is True
+    assert native.set_gather(True) is False
+
+
 @pytest.mark.parametrize("vocab,bs", [(1 << 16, 16), (200_000, 16), (1 << 16, 6), (200_000, 2)])
 def test_a_link_compares_every_id_exactly(native, gather, vocab, bs):
     """At a chain link, a block that differs from the node's record in any one
@@ -371,10 +382,7 @@ def test_a_link_compares_every_id_exactly(native, gather, vocab, bs):
     tree, prompts = native_tree(3, 6, seed=33, vocab=vocab, bs=bs)
     toks = prompts[0]
     hashes = block_hashes(NS, toks, bs)
-    path, node = [], tree.root
-    for h in hashes:
-        node = node.child(h)
-        path.append(node)
+    path = tree_path(tree, hashes)
     assert path[2].n_children == 1  # block 3 is a chain link
     for pos in range(3 * bs, 4 * bs):
         v = toks[pos]
