@@ -1,11 +1,11 @@
 /*
- * kvcached chained block hashes, native: the hot path of kvcached.hashing.
+ * kvcached chained block hashes, native: the hot path of kvcached.core.hashing.
  *
  *   h_i = BLAKE2b-128(h_{i-1} || extra || tokens_i as little-endian int64)
  *
  * for every full block i in [start, stop), h_{start-1} = parent. Results are
  * byte-identical to hashlib.blake2b(..., digest_size=16) over the same bytes
- * (kvcached.hashing._block_hashes_py is the reference; the tests compare).
+ * (kvcached.core.hashing._block_hashes_py is the reference; the tests compare).
  *
  * BLAKE2b (RFC 7693) is implemented here: unkeyed, 16-byte digest, the
  * message fed incrementally through one 128-byte block buffer, so no copy of
@@ -1403,7 +1403,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_block_hash", "Native chained block hashes for kvcached.hashing.",
+    PyModuleDef_HEAD_INIT, "_block_hash", "Native chained block hashes for kvcached.core.hashing.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

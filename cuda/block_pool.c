@@ -1,6 +1,6 @@
 /* kvcached._tree_node.BlockPool: one tier's free block ids, in C.
  *
- * The same contract as kvcached.pool.PyBlockPool (the reference, and the
+ * The same contract as kvcached.core.pool.PyBlockPool (the reference, and the
  * pool of the PyNode fallback): ids 0..num_blocks-1, allocation takes the
  * oldest freed id first, a double free or an id out of range raises with
  * nothing freed. In C so that the eviction loop (tree_evict.c) frees and
@@ -230,7 +230,7 @@ PyTypeObject BlockPoolType = {
     .tp_name = "kvcached._tree_node.BlockPool",
     .tp_basicsize = sizeof(BlockPool),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Free list of one tier's block ids (kvcached.pool.PyBlockPool, in C).",
+    .tp_doc = "Free list of one tier's block ids (kvcached.core.pool.PyBlockPool, in C).",
     .tp_new = pool_new,
     .tp_dealloc = pool_dealloc,
     .tp_methods = pool_methods,

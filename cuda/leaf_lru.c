@@ -1,12 +1,12 @@
 /* kvcached._tree_node.LeafLRU: one tier's evictable leaves, oldest first, in C.
  *
- * The same contract as kvcached.tree.PyLeafLRU (the reference, and the LRU of
+ * The same contract as kvcached.core.tree.PyLeafLRU (the reference, and the LRU of
  * the PyNode fallback): a binary heap of (key, node) with lazy deletion; a
  * node's live key sits in the node (Node.lru[which]: gpu_key / cpu_key), an
  * entry whose key is not the node's live key is stale and skipped on pop,
  * and the heap is rebuilt when stale entries outnumber live ones. Keys order
  * (last_access, -depth, insertion): `hi` is last_access, `lo` the inverted
- * depth over 40 bits of insertion order, exactly as kvcached.tree.lru_key.
+ * depth over 40 bits of insertion order, exactly as kvcached.core.tree.lru_key.
  *
  * Why C: keys are 128-bit, so in Python every heap step compared big ints
  * inside tuples (~30 ns each, ~2 log n per pop), and eviction pops once per
@@ -305,7 +305,7 @@ PyTypeObject LeafLRUType = {
     .tp_name = "kvcached._tree_node.LeafLRU",
     .tp_basicsize = sizeof(LeafLRU),
     .tp_flags = Py_TPFLAGS_DEFAULT, /* holds only Nodes, which cannot refer back to it */
-    .tp_doc = "Evictable leaves of one tier, oldest first (kvcached.tree.PyLeafLRU, in C).",
+    .tp_doc = "Evictable leaves of one tier, oldest first (kvcached.core.tree.PyLeafLRU, in C).",
     .tp_new = lru_new,
     .tp_dealloc = lru_dealloc,
     .tp_as_sequence = &lru_as_sequence,

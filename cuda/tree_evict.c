@@ -13,7 +13,7 @@
  */
 #include "tree_node.h"
 
-static PyObject *S_GPU, *S_SWAP_OUT, *S_CPU, *S_STORAGE; /* kvcached.tree.Tier */
+static PyObject *S_GPU, *S_SWAP_OUT, *S_CPU, *S_STORAGE; /* kvcached.core.tree.Tier */
 
 static PyObject *set_states(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
@@ -343,7 +343,7 @@ static PyObject *land_swap_out(PyObject *m, PyObject *const *args, Py_ssize_t na
 
 static PyMethodDef evict_methods[] = {
     {"set_states", (PyCFunction)(void (*)(void))set_states, METH_FASTCALL,
-     "The Tier members GPU, SWAP_OUT, CPU, STORAGE (kvcached.tree sets them)."},
+     "The Tier members GPU, SWAP_OUT, CPU, STORAGE (kvcached.core.tree sets them)."},
     {"evict_gpu", (PyCFunction)(void (*)(void))evict_gpu, METH_FASTCALL,
      "EvictionMixin._evict_gpu's loop over native nodes (see the C comment)."},
     {"land_swap_out", (PyCFunction)(void (*)(void))land_swap_out, METH_FASTCALL,

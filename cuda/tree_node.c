@@ -1,4 +1,4 @@
-/* kvcached._tree_node: the prefix tree's Node (kvcached.tree) as a C type.
+/* kvcached._tree_node: the prefix tree's Node (kvcached.core.tree) as a C type.
  *
  * Why: a cache holds up to millions of nodes. As Python objects, every node
  * and its children dict is tracked by the cyclic garbage collector, so each
@@ -21,7 +21,7 @@
  * memo walks the tree by memo key (memo_child): a branching node also keeps
  * `bykey`, its children by their mkey (set before they are linked).
  *
- * The other attributes are kvcached.tree.PyNode's, with the same meaning:
+ * The other attributes are kvcached.core.tree.PyNode's, with the same meaning:
  * plain object slots. PyNode is the fallback when this cannot be built.
  */
 #include "tree_node.h"
@@ -33,7 +33,7 @@ static Py_ssize_t live_nodes;   /* allocated and not yet freed: leak checks */
 static PyMemberDef node_members[] = {
     MEMBER(hash, "block hash (bytes)"),
     MEMBER(parent, "parent Node, None for the root"),
-    MEMBER(state, "tier state (kvcached.tree.Tier)"),
+    MEMBER(state, "tier state (kvcached.core.tree.Tier)"),
     MEMBER(gpu, "GPU block id, -1 if none"),
     MEMBER(cpu, "CPU block id, -1 if none"),
     MEMBER(in_storage, "True when the block is in storage"),
@@ -495,7 +495,7 @@ PyTypeObject NodeType = {
     .tp_basicsize = sizeof(Node),
     .tp_flags = Py_TPFLAGS_DEFAULT, /* no HAVE_GC: see the file comment; no BASETYPE:
                                        a Python subclass would be tracked again */
-    .tp_doc = "One cached block of the prefix tree (kvcached.tree); not GC-tracked.",
+    .tp_doc = "One cached block of the prefix tree (kvcached.core.tree); not GC-tracked.",
     .tp_new = node_new,
     .tp_dealloc = node_dealloc,
     .tp_repr = node_repr,
@@ -810,7 +810,7 @@ static PyMethodDef methods[] = {
     {"insert_new", (PyCFunction)(void (*)(void))insert_new, METH_FASTCALL,
      "CacheManager._insert's loop for new blocks over native nodes (see the C comment)."},
     {"set_default_state", set_default_state, METH_O,
-     "The state every new Node starts in (kvcached.tree sets Tier.STORAGE)."},
+     "The state every new Node starts in (kvcached.core.tree sets Tier.STORAGE)."},
     {NULL, NULL, 0, NULL},
 };
 

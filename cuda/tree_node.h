@@ -13,7 +13,7 @@
 #include "node_api.h"
 
 /* A node's place in one LeafLRU: the live key (last_access, then inverted
- * depth and insertion order: see kvcached.tree.lru_key), or not listed. */
+ * depth and insertion order: see kvcached.core.tree.lru_key), or not listed. */
 typedef struct {
     uint64_t hi, lo;
     int listed;

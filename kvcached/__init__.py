@@ -6,9 +6,9 @@ KV planes with ``export_kv_cache`` (or attach to planes kvcached created with
 """
 
 from kvcached.config import CacheConfig
+from kvcached.core.manager import CacheManager
 from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed, WorkerLost
-from kvcached.kvshare import allocate_kv_cache, attach_kv_cache, export_kv_cache
-from kvcached.manager import CacheManager
+from kvcached.memory.kvshare import allocate_kv_cache, attach_kv_cache, export_kv_cache
 from kvcached.types import Allocation, CacheStats, HitInfo
 
 __all__ = [

@@ -1,4 +1,4 @@
-from kvcached.cli import main
+from kvcached.ops.cli import main
 
 if __name__ == "__main__":
     main()

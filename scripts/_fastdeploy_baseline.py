@@ -230,7 +230,7 @@ class _PollTimer:
 
 def replay(mgr, requests, block_size: int, on_progress=None) -> dict:
     """Serve ``requests`` through FastDeploy's manager; the same accounting as
-    ``kvcached.workload.replay`` (wall microseconds per op, prompt blocks, hits),
+    ``kvcached.tools.workload.replay`` (wall microseconds per op, prompt blocks, hits),
     plus the process CPU time of the timed calls (``cpu_s``: FastDeploy's eviction
     thread included, its engine thread's sleeps not) and those sleeps."""
     res = {"requests": 0, "served": 0, "rejected": 0, "prompt_tokens": 0, "prompt_blocks": 0,

@@ -5,7 +5,7 @@ Both phases use in-process transfer on a tiny-bytes layout (one 128-byte
 plane per block), so copies cost next to nothing and what is measured is the
 manager: hashing, matching, the tree, the pools, eviction.
 
-1. Chat replay: the synthetic multi-turn chat workload (``kvcached.workload``)
+1. Chat replay: the synthetic multi-turn chat workload (``kvcached.tools.workload``)
    with blocks of 64 tokens and prompts of ~190 blocks on average, through a
    GPU + CPU manager sized so that both tiers serve hits. Reports requests/s
    of manager time, p50/p99 of allocate+commit+free per request, manager time
@@ -53,8 +53,8 @@ import _fastdeploy_baseline as fastdeploy
 from _bench_util import Progress, emit, log, percentile, short_tmp_dir
 
 from kvcached import CacheConfig
-from kvcached.manager import CacheManager
-from kvcached.workload import iter_chat_workload, replay
+from kvcached.core.manager import CacheManager
+from kvcached.tools.workload import iter_chat_workload, replay
 
 BLOCK_SIZE = 64
 # One K-only bf16 plane of 64 tokens x 1 head x 1 dim: 128 bytes per block.

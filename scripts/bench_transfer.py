@@ -135,7 +135,7 @@ def latency_at(tp: int, iters: int, warmup: int, payload: bytes, chunk: int = 10
     """Task and raw round-trip latency at ``tp`` ranks, measured in alternating
     chunks of ``chunk`` calls so that both see the same state of the machine."""
     from kvcached import CacheConfig
-    from kvcached.manager import CacheManager
+    from kvcached.core.manager import CacheManager
     with short_tmp_dir("kvbt-") as d:
         fleet = EchoFleet(tp, payload, d)
         try:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings
 
 from kvcached import CacheConfig
-from kvcached.manager import CacheManager
+from kvcached.core.manager import CacheManager
 
 # CI runs the same examples every time (a red CI must be reproducible); a
 # developer's runs explore new ones, and keep any failure in .hypothesis/.
@@ -46,7 +46,7 @@ def native():
     import sysconfig
     from pathlib import Path
 
-    import kvcached.hashing as hashing
+    import kvcached.core.hashing as hashing
     from kvcached.copy.native_build import find_compiler
     if find_compiler() is None:
         pytest.skip("no C compiler: the Python path is covered by test_hashing.py")

@@ -49,7 +49,7 @@ def lru_order(lru) -> list[bytes]:
 
 def tier_of(mgr, token_ids, extra_key=None):
     """States of the cached nodes along ``token_ids``'s path, root first."""
-    from kvcached.hashing import block_hashes
+    from kvcached.core.hashing import block_hashes
     node, out = mgr.tree.root, []
     for h in block_hashes(mgr._ns, token_ids, mgr.block_size, extra_key):
         node = node.child(h)

@@ -14,8 +14,8 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from kvcached.cli import main
-from kvcached.ctlserver import ControlServer
+from kvcached.ops.cli import main
+from kvcached.ops.ctlserver import ControlServer
 from kvcached.transfer.endpoints import control_endpoint
 
 STATUS = {
@@ -98,7 +98,7 @@ def test_help_lists_every_command():
     for name in ("worker", "demo", "launch", "ctl", "status", "build-cuda"):
         assert name in out
     try:
-        import kvcached.trace  # noqa: F401
+        import kvcached.tools.trace  # noqa: F401
     except ImportError:
         return
     assert "bench" in out

@@ -249,7 +249,7 @@ def test_engine_without_gpu_raises_clearly(lib, no_gpu):
 def test_cuda_ipc_without_gpu_raises_clearly(no_gpu):
     import torch
 
-    from kvcached import cuda_ipc
+    from kvcached.memory import cuda_ipc
     t = torch.zeros(4096, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="^no CUDA device"):
         cuda_ipc.pin_host_memory(t)
@@ -265,7 +265,7 @@ def test_cuda_ipc_without_gpu_raises_clearly(no_gpu):
 
 
 def test_pin_chunks_are_page_aligned():
-    from kvcached.cuda_ipc import PAGE, _chunks
+    from kvcached.memory.cuda_ipc import PAGE, _chunks
     base = 10 * PAGE + 100
     chunks = _chunks(base, 5 * PAGE, 2 * PAGE)
     assert chunks[0][0] == base and sum(n for _, n in chunks) == 5 * PAGE

@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason=f"no CUDA device: torch {torch.__version__} reports torch.cuda.is_available() "
            "== False (CPU-only torch build or no GPU/driver)")]
 
-from kvcached import cuda_ipc  # noqa: E402
 from kvcached.copy import cuda as kvc  # noqa: E402
+from kvcached.memory import cuda_ipc  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -221,7 +221,7 @@ def test_swap_out_waits_for_the_model_event(lib):
 # ------------------------------------------------------------------- IPC
 CHILD = r"""
 import sys, torch
-from kvcached.kvshare import attach_kv_cache
+from kvcached.memory.kvshare import attach_kv_cache
 planes = attach_kv_cache(sys.argv[1], 0, timeout_s=30)
 def bv(p):
     e = p.element_size()
@@ -267,7 +267,7 @@ def _err(proc: subprocess.Popen) -> str:
 def test_second_process_sees_engine_writes_and_vice_versa(lib, tmp_path):
     import hashlib
 
-    from kvcached.kvshare import export_kv_cache
+    from kvcached.memory.kvshare import export_kv_cache
     layout = KVLayout(2, 2, 128, 16, "float8_e4m3fn")  # K, V and scale planes
     planes = random_planes(layout, 16)
     export_kv_cache(planes, rank=0, run_dir=tmp_path)

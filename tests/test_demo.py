@@ -6,7 +6,7 @@ import io
 
 from click.testing import CliRunner
 
-from kvcached.demo import ChatWorkload, Progress, pick_sample, run_demo
+from kvcached.tools.demo import ChatWorkload, Progress, pick_sample, run_demo
 
 
 def test_demo_serves_from_every_tier_and_matches_recompute(tmp_path):
@@ -25,7 +25,7 @@ def test_demo_serves_from_every_tier_and_matches_recompute(tmp_path):
 
 
 def test_cli_demo_runs_workers_and_logs_in_the_working_directory(tmp_path, monkeypatch):
-    from kvcached.cli import main
+    from kvcached.ops.cli import main
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["demo", "--requests", "24", "--seed", "2"])
     assert res.exit_code == 0, res.output

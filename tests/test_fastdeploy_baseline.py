@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.workload import generate_chat_workload, replay
+from kvcached.tools.workload import generate_chat_workload, replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import _fastdeploy_baseline as fastdeploy  # noqa: E402

@@ -1,4 +1,4 @@
-"""The worker's native swap fast path (cuda/swap_wire.c via kvcached.transfer.fastpath).
+"""The worker's native swap fast path (kvcached/transfer/native/swap_wire.c via kvcached.transfer.fastpath).
 
 Its contract: it takes exactly the Task frames that ``protocol.quick_wire``
 takes (with at most 64 ids per list), copies exactly what the Python path

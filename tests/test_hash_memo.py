@@ -14,8 +14,8 @@ from hashlib import blake2b
 import numpy as np
 import pytest
 
-import kvcached.hashing as hashing
-from kvcached.hashing import block_hashes, block_hashes_memo, namespace_hash
+import kvcached.core.hashing as hashing
+from kvcached.core.hashing import block_hashes, block_hashes_memo, namespace_hash
 
 BS = 16
 NS = namespace_hash("model", "w1")
@@ -224,7 +224,7 @@ def test_the_walk_takes_only_its_own_branch(native):
     """In tree mode a block is looked up among the previous block's node's
     children only: a node of the same input elsewhere is not a candidate, and
     after the first miss the rest is hashed (no later block can be in the tree)."""
-    import kvcached.tree as tree_mod
+    import kvcached.core.tree as tree_mod
     if tree_mod.native_node_error is not None:
         pytest.skip("tree-mode memo needs native nodes")
     tree = tree_mod.BlockTree()
@@ -259,7 +259,7 @@ class Proxy:
 
 
 def native_tree(n_chains: int, blocks: int, seed: int, vocab: int = 200_000, bs: int = BS):
-    import kvcached.tree as tree_mod
+    import kvcached.core.tree as tree_mod
     if tree_mod.native_node_error is not None:
         pytest.skip("tree-mode memo needs native nodes")
     tree = tree_mod.BlockTree()
@@ -285,7 +285,7 @@ def tree_path(tree, hashes: list[bytes]) -> list:
 
 
 def test_native_nodes_are_read_directly_with_the_same_results(native):
-    """kvcached.tree hands its node type to the hashing extension (a capsule),
+    """kvcached.core.tree hands its node type to the hashing extension (a capsule),
     and the walk then reads native nodes' fields in C: it must agree exactly
     with the generic path, which asks a node through Python attributes."""
     tree, prompts = native_tree(5, 6, seed=30)
@@ -456,7 +456,7 @@ def test_the_memo_key_leaves_out_the_parent_hash(native):
 
 
 def test_native_memo_keys_are_checked(native):
-    import kvcached.tree as tree_mod
+    import kvcached.core.tree as tree_mod
     if tree_mod.native_node_error is not None:
         pytest.skip("native nodes only")
     n = tree_mod.Node(b"h", None, 0)
@@ -530,7 +530,7 @@ def test_random_memos_never_change_a_hash(native, seed):
     prefixes, or a flat dict with entries planted under other blocks' keys),
     block_hashes_memo returns exactly block_hashes, for lists, tuples and int64
     arrays, any extra key, start and block size, and ids that need int64."""
-    import kvcached.tree as tree_mod
+    import kvcached.core.tree as tree_mod
     rng = random.Random(seed)
     bs = rng.choice([1, 3, 16])
     stems = [tokens(100 * seed + i, rng.randrange(1, 5) * bs) for i in range(3)]

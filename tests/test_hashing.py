@@ -16,8 +16,8 @@ from hashlib import blake2b
 import numpy as np
 import pytest
 
-import kvcached.hashing
-from kvcached.hashing import DIGEST, block_hashes, namespace_hash
+import kvcached.core.hashing
+from kvcached.core.hashing import DIGEST, block_hashes, namespace_hash
 
 BS = 4
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 2**40, -1, 0, 31999, 9]  # 3 full blocks + 1 token
@@ -146,7 +146,7 @@ def test_stable_across_processes_with_different_hash_seeds():
     results = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", CHILD, kvcached.hashing.__file__],
+        out = subprocess.run([sys.executable, "-c", CHILD, kvcached.core.hashing.__file__],
                              env=env, capture_output=True, text=True, timeout=120, check=True)
         results.append(json.loads(out.stdout))
     assert results[0][-1] != results[1][-1]  # the salt really differed

@@ -1,6 +1,6 @@
 """Native block hashing (cuda/block_hash.c) against the pure-Python reference.
 
-``kvcached.hashing.block_hashes`` routes to the C extension when it builds;
+``kvcached.core.hashing.block_hashes`` routes to the C extension when it builds;
 ``_block_hashes_py`` (numpy + hashlib) is the reference. Every result must be
 byte-identical, errors must have the reference's exception types, and the
 Python path must still work when the native one is off or cannot be built.
@@ -21,8 +21,8 @@ from hashlib import blake2b
 import numpy as np
 import pytest
 
-import kvcached.hashing as hashing
-from kvcached.hashing import _block_hashes_py, block_hashes, namespace_hash
+import kvcached.core.hashing as hashing
+from kvcached.core.hashing import _block_hashes_py, block_hashes, namespace_hash
 
 I64_MIN, I64_MAX = -2**63, 2**63 - 1
 BLOCK_SIZES = (1, 2, 16, 64, 256)

@@ -1,4 +1,4 @@
-"""Sharing KV planes and host pools across processes (kvcached.shm, kvshare, hostpool).
+"""Sharing KV planes and host pools across processes (kvcached.memory.shm, kvshare, hostpool).
 
 Segments go to a private directory under /dev/shm (the peer process is pointed
 at it too), so stale-segment cleanup here never races other test runs, and the
@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcached import config, kvshare, shm
-from kvcached.hostpool import HostPool
+from kvcached import config
 from kvcached.layout import KVLayout
+from kvcached.memory import kvshare, shm
+from kvcached.memory.hostpool import HostPool
 
 REPO = Path(__file__).resolve().parents[1]
 # 8 planes x 16 KiB per block x 512 blocks = 64 MiB
@@ -50,7 +51,7 @@ def shm_dir(monkeypatch, tmp_path_factory):
 
 PEER_LOOP = r"""
 import contextlib, io, json, sys, traceback
-import torch, kvcached.hostpool, kvcached.kvshare  # import once, before the first task
+import torch, kvcached.memory.hostpool, kvcached.memory.kvshare  # import once, before the first task
 print(json.dumps({"ok": True, "out": "ready"}), flush=True)
 for line in sys.stdin:
     buf, ok = io.StringIO(), True
@@ -93,7 +94,7 @@ class Peer:
         """Run ``script`` (segments in ``shm_dir``); return its stdout, fail on error."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
-        prelude = f"from pathlib import Path\nfrom kvcached import shm\nshm.SHM_DIR = Path({str(shm_dir)!r})\n"
+        prelude = f"from pathlib import Path\nfrom kvcached.memory import shm\nshm.SHM_DIR = Path({str(shm_dir)!r})\n"
         self.proc.stdin.write(json.dumps(prelude + textwrap.dedent(script)) + "\n")
         self.proc.stdin.flush()
         reply = self._reply(timeout)
@@ -127,7 +128,7 @@ def test_attach_in_another_process_shares_memory(shm_dir, tmp_path, peer):
     planes[3][5].fill_(42.0)  # the child must see the parent's writes too
     out = peer.run(f"""
         import time, torch
-        from kvcached import kvshare
+        from kvcached.memory import kvshare
         t0 = time.perf_counter()
         planes = kvshare.attach_kv_cache({str(tmp_path)!r}, 0, timeout_s=5)
         dt = time.perf_counter() - t0
@@ -252,16 +253,16 @@ def test_segment_create_open_errors(shm_dir, tmp_path, monkeypatch):
 def test_cuda_paths_need_hook(shm_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
         kvshare.allocate_kv_cache(SMALL_LAYOUT, 4, rank=0, run_dir=tmp_path, device="tpu0")
-    monkeypatch.setitem(sys.modules, "kvcached.cuda_ipc", None)  # import fails
-    with pytest.raises(RuntimeError, match="kvcached.cuda_ipc"):
+    monkeypatch.setitem(sys.modules, "kvcached.memory.cuda_ipc", None)  # import fails
+    with pytest.raises(RuntimeError, match="kvcached.memory.cuda_ipc"):
         kvshare.allocate_kv_cache(SMALL_LAYOUT, 4, rank=0, run_dir=tmp_path, device="cuda")
     desc = {"format": kvshare.FORMAT_VERSION, "device_type": "cuda", "planes": []}
     kvshare.descriptor_path(tmp_path, 0).write_text(json.dumps(desc))
-    with pytest.raises(RuntimeError, match="kvcached.cuda_ipc"):
+    with pytest.raises(RuntimeError, match="kvcached.memory.cuda_ipc"):
         kvshare.attach_kv_cache(tmp_path, 0)
-    fake = type(sys)("kvcached.cuda_ipc")
+    fake = type(sys)("kvcached.memory.cuda_ipc")
     fake.open_cuda_planes = lambda d: ["opened", d["device_type"]]
-    monkeypatch.setitem(sys.modules, "kvcached.cuda_ipc", fake)
+    monkeypatch.setitem(sys.modules, "kvcached.memory.cuda_ipc", fake)
     assert kvshare.attach_kv_cache(tmp_path, 0) == ["opened", "cuda"]
 
 
@@ -274,7 +275,7 @@ def test_host_pool_shared_with_another_process(shm_dir, tmp_path, peer):
     pool.block(1).copy_(pattern(1, 4096))
     peer.run(f"""
         import torch
-        from kvcached.hostpool import HostPool
+        from kvcached.memory.hostpool import HostPool
         pool = HostPool.attach({str(tmp_path)!r}, 0, 16, 4096, owner_pid={os.getpid()})
         def pattern(i, n):
             return (torch.arange(n // 8, dtype=torch.int64) * 1000003 + i).view(torch.uint8)
@@ -321,7 +322,7 @@ def test_cleanup_removes_dead_keeps_live(shm_dir, tmp_path, peer):
     # made for us (owner = our pid) must survive it.
     out = peer.run(f"""
         import os, torch
-        from kvcached import kvshare, shm
+        from kvcached.memory import kvshare, shm
         from kvcached.layout import KVLayout
         name = shm.segment_name(os.getpid(), {rid!r}, 0, "host")
         shm.create_shm_tensor(name, (4096,), torch.uint8)

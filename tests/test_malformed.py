@@ -27,10 +27,10 @@ import torch
 import zmq
 from conftest import tiny_config, toks
 
-from kvcached import shm
-from kvcached.hostpool import HostPool
-from kvcached.kvshare import allocate_kv_cache, release_kv_cache
-from kvcached.manager import CacheManager
+from kvcached.core.manager import CacheManager
+from kvcached.memory import shm
+from kvcached.memory.hostpool import HostPool
+from kvcached.memory.kvshare import allocate_kv_cache, release_kv_cache
 from kvcached.transfer import protocol as P
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcached import NoFreeBlocks, TransferFailed
-from kvcached.manager import CacheManager
+from kvcached.core.manager import CacheManager
 
 BS = 4
 # Few distinct block values so that prompts share prefixes and collide often.

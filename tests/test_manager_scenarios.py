@@ -167,7 +167,7 @@ def test_cpu_eviction_drops_least_recently_used_cpu_leaf(make_manager):
 
 def test_hit_across_gpu_and_cpu_moves_bytes(make_manager):
     """The swapped bytes come back to a different GPU block unchanged."""
-    from kvcached.kvshare import attach_kv_cache
+    from kvcached.memory.kvshare import attach_kv_cache
     mgr = make_manager(num_gpu_blocks=4, num_cpu_blocks=4)
     planes = attach_kv_cache(mgr.run_dir, 0)
     prompt = toks(1, 2, 3)
@@ -296,14 +296,14 @@ def test_request_errors(make_manager):
 def test_allocate_before_start_is_refused(tmp_path):
     from conftest import tiny_config
 
-    from kvcached.manager import CacheManager
+    from kvcached.core.manager import CacheManager
     mgr = CacheManager(tiny_config(run_dir=str(tmp_path / "r")))
     with pytest.raises(RuntimeError, match="start"):
         mgr.allocate("r", toks(1))
 
 
 def _path(mgr, tokens):
-    from kvcached.hashing import block_hashes
+    from kvcached.core.hashing import block_hashes
     node, out = mgr.tree.root, []
     for h in block_hashes(mgr._ns, tokens, mgr.block_size):
         node = node.child(h)

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 from helpers import FlakyTransfer, lru_order, running_workload
 
-import kvcached.eviction as eviction_mod
-import kvcached.tree as tree_mod
-from kvcached.manager import CacheManager
+import kvcached.core.eviction as eviction_mod
+import kvcached.core.tree as tree_mod
+from kvcached.core.manager import CacheManager
 
 CALLBACKS = ("_remove", "_drop_cpu", "_drop_cpu_below")
 

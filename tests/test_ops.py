@@ -30,9 +30,9 @@ from click.testing import CliRunner
 from conftest import toks
 from helpers import pid_alive, wait_for
 
-from kvcached.cli import main
-from kvcached.ctlserver import ControlServer, request
-from kvcached.events import KVEventPublisher, check_endpoint, decode_event
+from kvcached.ops.cli import main
+from kvcached.ops.ctlserver import ControlServer, request
+from kvcached.ops.events import KVEventPublisher, check_endpoint, decode_event
 from kvcached.transfer import protocol as P
 from kvcached.transfer.endpoints import control_endpoint
 
@@ -213,7 +213,7 @@ def metric(text: str, name: str, **labels) -> float:
 def test_metrics_from_a_fake_manager():
     from test_cli import STATUS
 
-    from kvcached.metrics import MetricsServer
+    from kvcached.ops.metrics import MetricsServer
 
     class Fake:
         fail = False
@@ -246,7 +246,7 @@ def test_metrics_from_a_fake_manager():
 
 
 def test_metrics_without_prometheus_client_names_the_extra(monkeypatch):
-    from kvcached.metrics import MetricsServer
+    from kvcached.ops.metrics import MetricsServer
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(RuntimeError, match=r"pip install 'kvcached\[metrics\]'"):
         MetricsServer(object())
@@ -255,7 +255,7 @@ def test_metrics_without_prometheus_client_names_the_extra(monkeypatch):
 # ------------------------------------------------------------------ launcher
 def test_launcher_backoff_is_bounded_and_resets():
     from kvcached.config import CacheConfig
-    from kvcached.launcher import Launcher
+    from kvcached.ops.launcher import Launcher
     cfg = CacheConfig.load(num_gpu_blocks=8, num_cpu_blocks=0, storage_backend="none")
     la = Launcher(cfg, "c.toml", "/tmp/x", max_restarts=5, base_backoff_s=0.2,
                   max_backoff_s=1.0, stable_s=30.0)
@@ -325,7 +325,7 @@ class Deployment:
         return self.mgr
 
     def planes(self, rank: int):
-        from kvcached.kvshare import attach_kv_cache
+        from kvcached.memory.kvshare import attach_kv_cache
         return attach_kv_cache(self.run_dir, rank)
 
     def worker_pids(self) -> list[int]:
@@ -569,7 +569,7 @@ def test_metrics_endpoint_is_scraped(dep):
 
 
 def test_kv_events_follow_the_tiers(dep):
-    from kvcached.hashing import block_hashes
+    from kvcached.core.hashing import block_hashes
     mgr, sub = dep.mgr, dep.sub
     n = iter(range(10**6))
     join(sub, lambda: cache_prompt(dep, f"warm{next(n)}", toks(95, 96, tail=1), salt=95))

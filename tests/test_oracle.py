@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 
 from kvcached import NoFreeBlocks
-from kvcached.hashing import block_hashes
-from kvcached.tree import Tier
-from kvcached.workload import ChatRequest, generate_chat_workload, replay
+from kvcached.core.hashing import block_hashes
+from kvcached.core.tree import Tier
+from kvcached.tools.workload import ChatRequest, generate_chat_workload, replay
 
 BS = 4
 

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kvcached import pool as pool_mod
-from kvcached.pool import PyBlockPool
+from kvcached.core import pool as pool_mod
+from kvcached.core.pool import PyBlockPool
 
 IMPLS = [PyBlockPool] + ([pool_mod.BlockPool] if pool_mod.BlockPool is not PyBlockPool else [])
 

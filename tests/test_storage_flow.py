@@ -10,8 +10,8 @@ import torch
 from conftest import tiny_config
 
 from kvcached import TransferFailed
-from kvcached.kvshare import attach_kv_cache
-from kvcached.manager import CacheManager
+from kvcached.core.manager import CacheManager
+from kvcached.memory.kvshare import attach_kv_cache
 
 BS = 16
 PROMPT = [(i * 7919) % 32000 for i in range(768)]  # 48 blocks of 16 tokens
@@ -80,7 +80,7 @@ def test_restart_through_worker_processes_tp2(tmp_path):
 
 def test_corrupt_object_cuts_the_load_to_the_prefix_before_it(tmp_path):
     compute_and_store(storage_cfg(tmp_path, "a"))
-    from kvcached.hashing import block_hashes, namespace_hash
+    from kvcached.core.hashing import block_hashes, namespace_hash
     h = block_hashes(namespace_hash("kvcached-demo", "0"), PROMPT, BS)[20]
     files = [f for f in (tmp_path / "store").rglob("*") if f.is_file() and h.hex() in str(f)]
     assert len(files) == 1

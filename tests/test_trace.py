@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvcached.trace import (
+from kvcached.tools.trace import (
     TRACE_BLOCK,
     TraceRequest,
     bench,

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kvcached import tree
-from kvcached.tree import Node, PyLeafLRU, PyNode, lru_key
+from kvcached.core import tree
+from kvcached.core.tree import Node, PyLeafLRU, PyNode, lru_key
 
 IMPLS = [(PyLeafLRU, PyNode), (PyLeafLRU, tree.Node)]
 if tree._native is not None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import running_workload
 
-import kvcached.tree as tree_mod
-from kvcached.tree import BlockTree, PyNode, Tier
+import kvcached.core.tree as tree_mod
+from kvcached.core.tree import BlockTree, PyNode, Tier
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def test_freeing_a_very_long_chain_does_not_recurse():
     Run in a child so a crash is a failure, not a dead test run."""
     code = textwrap.dedent("""
         import sys
-        import kvcached.tree as t
+        import kvcached.core.tree as t
         assert t.native_node_error is None, t.native_node_error
         mod = sys.modules["kvcached._tree_node"]
         n = None
@@ -158,9 +158,9 @@ def test_without_native_code_the_python_node_is_used(tmp_path):
     code = textwrap.dedent("""
         import gc
         import sys
-        import kvcached.tree as t
+        import kvcached.core.tree as t
         from kvcached import CacheConfig
-        from kvcached.manager import CacheManager
+        from kvcached.core.manager import CacheManager
         assert t.Node is t.PyNode and "KVCACHED_NO_NATIVE" in t.native_node_error
         cfg = CacheConfig.load(num_gpu_blocks=8, num_cpu_blocks=4, block_size=4,
                                transfer_mode="inprocess", create_cache=True,
@@ -213,8 +213,8 @@ def test_a_dropped_manager_leaves_no_node_behind(native_node, tmp_path, tiers):
     collector cannot break these nodes' cycles, so a path that left one would leak."""
     from conftest import tiny_config
 
-    from kvcached.manager import CacheManager
-    from kvcached.workload import generate_chat_workload
+    from kvcached.core.manager import CacheManager
+    from kvcached.tools.workload import generate_chat_workload
     gc.collect()
     live = native_node.live()
     if "storage_backend" in tiers:
@@ -264,9 +264,9 @@ def test_native_match_ref_is_the_python_loop(native_node, make_manager):
     left on every node, on trees that a random workload left in every tier."""
     from conftest import toks
 
-    from kvcached.hashing import block_hashes
-    from kvcached.manager import match_ref_py
-    from kvcached.tree import native_match_ref
+    from kvcached.core.hashing import block_hashes
+    from kvcached.core.manager import match_ref_py
+    from kvcached.core.tree import native_match_ref
     mgr = make_manager(num_gpu_blocks=10, num_cpu_blocks=12)
     seen = set()
     for i, rng, _ in running_workload(mgr, seed=5):
@@ -290,8 +290,8 @@ def test_native_unref_path_is_the_python_loop(native_node, make_manager):
     refs and access times left on every node, the same idle count and the same
     nodes to refresh, on paths a random workload left in every tier and with
     other requests still holding some of their nodes."""
-    from kvcached.eviction import unref_path_py
-    from kvcached.tree import native_unref_path
+    from kvcached.core.eviction import unref_path_py
+    from kvcached.core.tree import native_unref_path
     mgr = make_manager(num_gpu_blocks=10, num_cpu_blocks=12)
     seen = set()
     for i, _, held in running_workload(mgr, seed=9):
@@ -343,7 +343,7 @@ def test_native_insert_new_is_the_python_loop(native_node, make_manager, monkeyp
     leaves: two managers serve the same random workload, one with the C loop
     and one without, and every node's fields and the stats agree after each
     request (new chains, chains that meet cached blocks midway, every tier)."""
-    import kvcached.manager as manager_mod
+    import kvcached.core.manager as manager_mod
 
     fields = ("hash", "depth", "state", "gpu", "cpu", "ref", "last_access", "n_gpu_children",
               "n_cpu_children", "in_storage", "input", "mkey", "gpu_key", "cpu_key")
@@ -373,7 +373,7 @@ def test_native_insert_new_is_the_python_loop(native_node, make_manager, monkeyp
 
 
 def test_native_insert_new_checks_its_arguments(native_node):
-    from kvcached.tree import native_insert_new
+    from kvcached.core.tree import native_insert_new
     tree = BlockTree()
     nodes: list = []
     with pytest.raises(TypeError, match="insert_new"):

@@ -17,8 +17,8 @@ from conftest import tiny_config, toks
 from helpers import pid_alive, wait_for
 
 from kvcached import NoFreeBlocks, TransferFailed, WorkerLost
-from kvcached.kvshare import attach_kv_cache
-from kvcached.manager import CacheManager
+from kvcached.core.manager import CacheManager
+from kvcached.memory.kvshare import attach_kv_cache
 
 FAST = dict(transfer_mode="workers", heartbeat_interval_s=0.1, worker_timeout_s=1.5,
             engine_timeout_s=3.0, task_timeout_s=5.0, worker_start_timeout_s=60.0)
@@ -182,7 +182,7 @@ ENGINE = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from conftest import tiny_config
-    from kvcached.manager import CacheManager
+    from kvcached.core.manager import CacheManager
     cfg = tiny_config(transfer_mode="workers", tp_size=2, heartbeat_interval_s=0.1,
                       worker_timeout_s=1.5, engine_timeout_s=3.0, num_cpu_blocks=4)
     mgr = CacheManager(cfg).start()
@@ -192,7 +192,7 @@ ENGINE = textwrap.dedent("""
 
 
 def test_sigkill_engine_workers_exit_and_next_start_cleans_up(workers_manager, tmp_path):
-    from kvcached import shm
+    from kvcached.memory import shm
     tests = str(Path(__file__).parent)
     eng = subprocess.Popen([sys.executable, "-c", ENGINE.format(tests=tests)],
                            stdout=subprocess.PIPE, text=True)

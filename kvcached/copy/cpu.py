@@ -7,7 +7,7 @@ block-major pool ``[num_cpu_blocks, block_bytes]`` with plane p of a block at
 
 Two backends do the same thing:
 
-- ``native``: ``cuda/cpu_copy.c``, built lazily and called through ctypes,
+- ``native``: ``kvcached/copy/native/cpu_copy.c``, built lazily and called through ctypes,
   which releases the GIL for the call; memcpy per block-plane, optionally
   split over pthreads. About memcpy speed.
 - ``torch``: ``copy_`` between byte views, one per run of consecutive ids
@@ -33,7 +33,7 @@ from kvcached.copy.native_build import build_shared_library, native_disabled
 
 logger = logging.getLogger(__name__)
 
-NATIVE_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "cpu_copy.c"
+NATIVE_SOURCE = Path(__file__).resolve().parent / "native" / "cpu_copy.c"
 NATIVE_FLAGS = ("-std=c11", "-Wextra", "-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-pthread")
 TO_HOST, TO_DEVICE = 0, 1  # directions understood by kvc_cpu_copy
 ERR_DEVICE_ID, ERR_HOST_ID = -4, -5  # kvc_cpu_copy codes that carry the index of the bad id

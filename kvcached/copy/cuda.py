@@ -508,7 +508,7 @@ class CudaCopyEngine:
     ``num_device_blocks``). ``host_pool``: a pinned CPU uint8 tensor
     ``[num_cpu_blocks, block_bytes]`` (as the CPU engine takes) or its address
     (then pass ``host_block_bytes`` and ``num_host_blocks``); it must be pinned
-    and mapped (``kvcached.cuda_ipc.pin_host_memory`` or ``cudaHostAlloc``).
+    and mapped (``kvcached.memory.cuda_ipc.pin_host_memory`` or ``cudaHostAlloc``).
     Copies run on ``stream`` (default: a non-blocking stream of its own);
     ``swap_out``/``swap_in`` wait for ``wait_event`` first, so a swap-out never
     reads KV the model is still writing. With ``sync=True`` (default) they
@@ -558,7 +558,7 @@ class CudaCopyEngine:
         except CudaCopyError as e:
             raise CudaCopyError(e.op, e.status, e.status_name,
                                 f"{e.detail}; is the host pool pinned and mapped? pin it with "
-                                "kvcached.cuda_ipc.pin_host_memory()") from e
+                                "kvcached.memory.cuda_ipc.pin_host_memory()") from e
 
     # ------------------------------------------------------------ public API
     def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], *,

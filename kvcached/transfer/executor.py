@@ -38,8 +38,8 @@ class RankExecutor:
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
-        from kvcached.hostpool import HostPool
-        from kvcached.kvshare import attach_kv_cache, check_planes
+        from kvcached.memory.hostpool import HostPool
+        from kvcached.memory.kvshare import attach_kv_cache, check_planes
         layout = self.cfg.layout
         self.planes = attach_kv_cache(self.run_dir, self.rank, timeout_s=timeout_s)
         check_planes(self.planes, layout, self.cfg.num_gpu_blocks)
@@ -55,7 +55,7 @@ class RankExecutor:
         offsets = self.cfg.layout.host_offsets
         if self.cfg.device == "cuda":
             from kvcached.copy.cuda import CudaCopyEngine
-            from kvcached.cuda_ipc import pin_host_memory
+            from kvcached.memory.cuda_ipc import pin_host_memory
             # The shm mapping is this process's: register it (in chunks) here.
             self._pinned = pin_host_memory(self.host.tensor)
             self._event = self._open_engine_event()
@@ -67,7 +67,7 @@ class RankExecutor:
     def _open_engine_event(self):
         """The engine's interprocess compute-stream event, if it exported one."""
         from kvcached.copy.cuda import open_ipc_event
-        from kvcached.kvshare import read_descriptor
+        from kvcached.memory.kvshare import read_descriptor
         handle = read_descriptor(self.run_dir, self.rank).get("event_ipc_handle")
         return open_ipc_event(bytes.fromhex(handle)) if handle else None
 
@@ -161,7 +161,7 @@ class RankExecutor:
             self.engine.close()
         self.engine = None
         if self._pinned is not None:
-            from kvcached.cuda_ipc import unpin
+            from kvcached.memory.cuda_ipc import unpin
             unpin(self._pinned)
             self._pinned = None
         if self.host is not None:

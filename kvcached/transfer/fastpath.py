@@ -1,4 +1,4 @@
-"""Native fast paths of the swap task wire (``cuda/swap_wire.c``).
+"""Native fast paths of the swap task wire (``kvcached/transfer/native/swap_wire.c``).
 
 Worker side:
 
@@ -31,7 +31,7 @@ from types import ModuleType
 
 from kvcached.transfer import protocol as P
 
-NATIVE_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "swap_wire.c"
+NATIVE_SOURCE = Path(__file__).resolve().parent / "native" / "swap_wire.c"
 NATIVE_MODULE = "kvcached._swap_wire"  # PyInit__swap_wire in swap_wire.c
 
 _UNTRIED = object()

@@ -417,7 +417,7 @@ class Worker:
 def run_worker(cfg: CacheConfig, run_dir, rank: int, engine_pid: int | None,
                restarts: int = 0) -> int:
     """Entry point of ``kvcached worker``: log to a file, serve, exit."""
-    from kvcached.logs import setup_process_logging
+    from kvcached.ops.logs import setup_process_logging
     log_dir = cfg.log_dir or os.path.join(run_dir, "logs")
     setup_process_logging(log_dir, f"worker-rank{rank}")
     logger.info("worker rank %d starting (pid %d, engine pid %s, restart %d)", rank,

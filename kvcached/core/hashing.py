@@ -27,7 +27,7 @@ from types import ModuleType
 import numpy as np
 
 DIGEST = 16
-NATIVE_SOURCE = Path(__file__).resolve().parents[1] / "cuda" / "block_hash.c"
+NATIVE_SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "block_hash.c"
 NATIVE_MODULE = "kvcached._block_hash"  # PyInit__block_hash in block_hash.c
 
 
@@ -202,7 +202,7 @@ def load_native() -> ModuleType | None:
 
 
 def register_node_api(capsule: object) -> None:
-    """kvcached.tree's native node type, for ``chain_memo``'s walk to read its
+    """kvcached.core.tree's native node type, for ``chain_memo``'s walk to read its
     nodes directly instead of through a Python call per block."""
     global _node_api
     with _native_lock:
@@ -220,13 +220,13 @@ def _native_build() -> ModuleType:
     """``kvcached.copy.native_build``; loaded by path when this module was too
     (as the cross-process tests do), so the kvcached package (and torch) stays
     unimported."""
-    if __name__ == "kvcached.hashing":
+    if __name__ == "kvcached.core.hashing":
         from kvcached.copy import native_build
         return native_build
     name = "_kvcached_native_build"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parent / "copy" / "native_build.py")
+            name, Path(__file__).resolve().parents[1] / "copy" / "native_build.py")
         if spec is None or spec.loader is None:
             raise ImportError("cannot find kvcached/copy/native_build.py")
         mod = importlib.util.module_from_spec(spec)

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvcached.shm import pid_alive
+from kvcached.memory.shm import pid_alive
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ atomically (temp file + rename) so a reader never sees half of one::
                  "segment": "kvcached-1234-a1b2c3d4e5-r0-kv",
                  "segment_nbytes": 67108864, "byte_offset": 0}, ...]}
 
-On CUDA the per-plane location fields come from ``kvcached.cuda_ipc`` (IPC
+On CUDA the per-plane location fields come from ``kvcached.memory.cuda_ipc`` (IPC
 handles, offsets), which this module imports lazily so the CPU backend never
 needs it.
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from kvcached import shm
 from kvcached.layout import DTYPE_SIZES, KVLayout
+from kvcached.memory import shm
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +197,9 @@ def _cpu_locations(planes: list[torch.Tensor]) -> list[dict]:
 def _cuda_ipc():
     """The CUDA hook module, imported only when CUDA planes are involved."""
     try:  # import_module, not `from kvcached import`: honours a blocked sys.modules entry
-        cuda_ipc = importlib.import_module("kvcached.cuda_ipc")
+        cuda_ipc = importlib.import_module("kvcached.memory.cuda_ipc")
     except ImportError as e:
-        raise RuntimeError(f"CUDA KV planes need kvcached.cuda_ipc, which could not be "
+        raise RuntimeError(f"CUDA KV planes need kvcached.memory.cuda_ipc, which could not be "
                            f"imported ({e})") from e
     return cuda_ipc
 
@@ -210,7 +210,7 @@ def export_kv_cache(planes: list[torch.Tensor], rank: int,
 
     CPU planes must live in a kvcached shared-memory segment (see
     :func:`allocate_kv_cache`); CUDA planes are exported through CUDA IPC by
-    ``kvcached.cuda_ipc``. The planes must stay alive while others use them.
+    ``kvcached.memory.cuda_ipc``. The planes must stay alive while others use them.
     ``event``: on CUDA, a ``torch.cuda.Event(interprocess=True)`` the engine
     records on its compute stream after each forward pass; the worker's
     swap-outs wait on its latest record, so they never read KV still being
@@ -223,7 +223,7 @@ def export_kv_cache(planes: list[torch.Tensor], rank: int,
     elif device.type == "cuda":
         locations = _cuda_ipc()._export_cuda(list(planes))
         if len(locations) != len(planes):
-            raise RuntimeError(f"kvcached.cuda_ipc._export_cuda returned {len(locations)} "
+            raise RuntimeError(f"kvcached.memory.cuda_ipc._export_cuda returned {len(locations)} "
                                f"entries for {len(planes)} planes")
     else:
         raise ValueError(f"plane 0 is on {device}; KV planes must be on cpu or cuda")
@@ -337,7 +337,7 @@ def allocate_kv_cache(layout: KVLayout, num_blocks: int, rank: int,
     aligned offsets, named after ``owner_pid`` (default: this process). A
     worker that creates the cache for an engine passes the engine's pid, so
     the segment survives the worker's crash (stale cleanup follows the owner).
-    On CUDA ``kvcached.cuda_ipc`` allocates them. Undo with :func:`release_kv_cache`.
+    On CUDA ``kvcached.memory.cuda_ipc`` allocates them. Undo with :func:`release_kv_cache`.
     """
     owner_pid = os.getpid() if owner_pid is None else owner_pid
     if num_blocks <= 0:

@@ -28,7 +28,7 @@
  * bool ok, a float elapsed_s, an error string and result keys that are ASCII
  * and at most max_str / 4 long, result values ints, floats or bools.
  *
- * The copy is the CPU copy engine's kvc_cpu_engine_copy (cuda/cpu_copy.c),
+ * The copy is the CPU copy engine's kvc_cpu_engine_copy (kvcached/copy/native/cpu_copy.c),
  * reached through the engine struct and function pointer that
  * kvcached.copy.cpu.CpuCopyEngine owns; the server holds a reference to that
  * engine (owner), so its memory outlives every call. The GIL is held during
@@ -60,7 +60,7 @@
 
 enum { KIND_SWAP_OUT, KIND_SWAP_IN, KIND_NOOP };
 
-/* kvc_cpu_engine_copy's signature (cuda/cpu_copy.c). */
+/* kvc_cpu_engine_copy's signature (kvcached/copy/native/cpu_copy.c). */
 typedef int (*copy_fn_t)(const void *engine, const int64_t *device_ids, const int64_t *host_ids,
                          int64_t n, int64_t direction, int64_t *err_index);
 

@@ -112,7 +112,7 @@ class PyNode:
 def _native_module() -> tuple[ModuleType | None, str | None]:
     """``(cuda/tree_node.c's module, None)``, or ``(None, why)`` for PyNode."""
     from kvcached.copy import native_build
-    cuda = Path(__file__).resolve().parents[1] / "cuda"
+    cuda = Path(__file__).resolve().parents[2] / "cuda"
     sources = [cuda / f for f in ("tree_node.c", "leaf_lru.c", "block_pool.c", "tree_evict.c")]
     mod, why = native_build.try_import_extension(
         "kvcached._tree_node", sources, "kvc_tree_node", "native tree nodes",
@@ -120,7 +120,7 @@ def _native_module() -> tuple[ModuleType | None, str | None]:
     if mod is not None:
         mod.set_default_state(Tier.STORAGE)
         mod.set_states(Tier.GPU, Tier.SWAP_OUT, Tier.CPU, Tier.STORAGE)
-        from kvcached import hashing
+        from kvcached.core import hashing
         hashing.register_node_api(mod.node_api)  # the memo walk reads these nodes directly
     return mod, why
 

@@ -1,6 +1,6 @@
 """CUDA hooks of kvcached: sharing KV planes across processes and pinning the host pool.
 
-:mod:`kvcached.kvshare` imports this module lazily, only for CUDA planes.
+:mod:`kvcached.memory.kvshare` imports this module lazily, only for CUDA planes.
 
 Sharing (DESIGN §5) uses PyTorch's own CUDA IPC, the mechanism behind
 ``torch.multiprocessing``: ``UntypedStorage._share_cuda_()`` gives the

@@ -55,7 +55,7 @@ def _worker_config(run_dir: str, config_path: str | None, config_file: str) -> C
 @click.option("--seed", type=int, default=0)
 def demo(requests: int, seed: int) -> None:
     """Run the manager on a synthetic multi-turn chat workload and report."""
-    from kvcached.demo import run_demo
+    from kvcached.tools.demo import run_demo
     run_demo(requests=requests, seed=seed)
 
 
@@ -75,7 +75,7 @@ def launch(config_path: str, run_dir: str | None, max_restarts: int | None) -> N
     service: a sidecar, a systemd unit). Crashed workers are restarted with a
     bounded backoff; Ctrl-C or SIGTERM stops the group.
     """
-    from kvcached.launcher import launch as run_launcher
+    from kvcached.ops.launcher import launch as run_launcher
     try:
         code = run_launcher(config_path, run_dir, max_restarts=max_restarts)
     except ValueError as e:
@@ -102,7 +102,7 @@ def _need_run_dir(run_dir: str | None) -> str:
 
 def _request(run_dir: str | None, op: str, args: dict | None, timeout: float) -> dict:
     """One control request; every failure becomes a ClickException saying what to do."""
-    from kvcached.ctlserver import ControlError, ControlUnavailable, request
+    from kvcached.ops.ctlserver import ControlError, ControlUnavailable, request
     try:
         return request(_need_run_dir(run_dir), op, args, timeout_s=timeout)
     except (ControlUnavailable, ControlError, TimeoutError) as e:
@@ -285,7 +285,7 @@ def build_cuda(archs: str | None) -> None:
 
 
 try:  # `kvcached bench` lives with the trace replayer, which may not be installed
-    from kvcached.trace import bench
+    from kvcached.tools.trace import bench
 except ImportError:
     bench = None
 else:

@@ -23,15 +23,12 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from kvcached.config import CacheConfig
-from kvcached.errors import CacheAsleep, NoFreeBlocks
-from kvcached.eviction import EvictionMixin, cpu_evictable, gpu_evictable
-from kvcached.fetch import FetchMixin
-from kvcached.hashing import block_hashes, block_hashes_memo, namespace_hash
-from kvcached.pool import BlockPool
-from kvcached.rundir import cleanup_stale_run_dirs, create_run_dir
-from kvcached.stats import Counters
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
-from kvcached.tree import (
+from kvcached.core.eviction import EvictionMixin, cpu_evictable, gpu_evictable
+from kvcached.core.fetch import FetchMixin
+from kvcached.core.hashing import block_hashes, block_hashes_memo, namespace_hash
+from kvcached.core.pool import BlockPool
+from kvcached.core.stats import Counters
+from kvcached.core.tree import (
     CPU,
     GPU,
     STORAGE,
@@ -41,6 +38,9 @@ from kvcached.tree import (
     native_insert_new,
     native_match_ref,
 )
+from kvcached.errors import CacheAsleep, NoFreeBlocks
+from kvcached.memory.rundir import cleanup_stale_run_dirs, create_run_dir
+from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
 from kvcached.types import Allocation, CacheStats, HitInfo
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         """Attach (or spawn) the transfer; returns when every rank is ready."""
         if self._started:
             return self
-        from kvcached.logs import setup_process_logging
+        from kvcached.ops.logs import setup_process_logging
         self._log_file = setup_process_logging(self.log_dir, "engine")
         self._create_shared_memory()
         if self._transfer is None:
@@ -138,14 +138,14 @@ class CacheManager(EvictionMixin, FetchMixin):
         """The control socket (`kvcached ctl`), metrics and KV events, as configured."""
         cfg = self.cfg
         if cfg.control_socket:
-            from kvcached.ctlserver import ControlServer
+            from kvcached.ops.ctlserver import ControlServer
             self._ops.append(ControlServer(self).start())
         if cfg.metrics_port:
-            from kvcached.metrics import MetricsServer
+            from kvcached.ops.metrics import MetricsServer
             self.metrics = MetricsServer(self, cfg.metrics_host, cfg.metrics_port).start()
             self._ops.append(self.metrics)
         if cfg.kv_events_endpoint:
-            from kvcached.events import KVEventPublisher
+            from kvcached.ops.events import KVEventPublisher
             self._events = KVEventPublisher(cfg.kv_events_endpoint,
                                             source=str(self.run_dir)).start()
             self._ops.append(self._events)
@@ -167,7 +167,7 @@ class CacheManager(EvictionMixin, FetchMixin):
                 self._transfer.close()
             self._release_shared_memory()
         if self._log_file is not None:
-            from kvcached.logs import stop_process_logging
+            from kvcached.ops.logs import stop_process_logging
             stop_process_logging(self._log_file)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -175,9 +175,9 @@ class CacheManager(EvictionMixin, FetchMixin):
     def _create_shared_memory(self) -> None:
         """Host pools (and, with create_cache, the KV planes) belong to the engine
         process, so they outlive a crashed worker; stale ones of dead runs go first."""
-        from kvcached.hostpool import HostPool
-        from kvcached.kvshare import allocate_kv_cache
-        from kvcached.shm import cleanup_stale_segments
+        from kvcached.memory.hostpool import HostPool
+        from kvcached.memory.kvshare import allocate_kv_cache
+        from kvcached.memory.shm import cleanup_stale_segments
         cleanup_stale_segments()
         cleanup_stale_run_dirs()
         cfg, layout = self.cfg, self.cfg.layout
@@ -194,7 +194,7 @@ class CacheManager(EvictionMixin, FetchMixin):
             raise
 
     def _release_shared_memory(self) -> None:
-        from kvcached.kvshare import release_kv_cache
+        from kvcached.memory.kvshare import release_kv_cache
         for pool in self._host_pools:
             pool.remove()
         self._host_pools.clear()
@@ -572,7 +572,7 @@ class CacheManager(EvictionMixin, FetchMixin):
             if not self._asleep:
                 return {"changed": False, "asleep": False}
             if self._host_released:
-                from kvcached.hostpool import HostPool
+                from kvcached.memory.hostpool import HostPool
                 for rank in range(self.cfg.tp_size):
                     self._host_pools.append(HostPool.create(
                         self.run_dir, rank, self.cfg.num_cpu_blocks, self.cfg.layout.block_bytes))
@@ -670,8 +670,8 @@ class CacheManager(EvictionMixin, FetchMixin):
             return self._counters.snapshot(self, workers)
 
     def check_invariants(self) -> None:
-        """Raise InvariantError on the first broken invariant (see kvcached.invariants)."""
-        from kvcached.invariants import check
+        """Raise InvariantError on the first broken invariant (see kvcached.core.invariants)."""
+        from kvcached.core.invariants import check
         with self._lock:
             self._reap()
             check(self)

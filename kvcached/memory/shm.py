@@ -12,7 +12,7 @@ so :func:`cleanup_stale_segments` can remove the leftovers of dead runs at
 start-up without touching live ones.
 
 Segments created by this process are kept in a process-local registry (and
-stay mapped until removed), so :mod:`kvcached.kvshare` can tell which segment
+stay mapped until removed), so :mod:`kvcached.memory.kvshare` can tell which segment
 and byte offset a CPU tensor lives in.
 """
 
@@ -143,7 +143,7 @@ def create_shm_tensor(name: str, shape: tuple[int, ...] | list[int],
     except FileExistsError:
         raise FileExistsError(
             f"shared-memory segment {path} already exists: another run uses it, or a "
-            "previous one crashed (kvcached.shm.cleanup_stale_segments() removes those "
+            "previous one crashed (kvcached.memory.shm.cleanup_stale_segments() removes those "
             "of dead processes)") from None
     try:
         os.ftruncate(fd, nbytes)  # sparse file: reads as zeros, pages come on first touch

@@ -81,7 +81,7 @@ class PyBlockPool:
 
 
 def _native_pool() -> type | None:
-    from kvcached.tree import _native
+    from kvcached.core.tree import _native
     return _native.BlockPool if _native else None
 
 

@@ -12,11 +12,11 @@ import collections
 from hashlib import blake2b
 from typing import TYPE_CHECKING
 
-from kvcached.hashing import hash_input, memo_key
-from kvcached.tree import GPU_STATES, Node, Tier
+from kvcached.core.hashing import hash_input, memo_key
+from kvcached.core.tree import GPU_STATES, Node, Tier
 
 if TYPE_CHECKING:
-    from kvcached.manager import CacheManager
+    from kvcached.core.manager import CacheManager
 
 
 class InvariantError(AssertionError):
@@ -126,7 +126,7 @@ def _check_requests(mgr: CacheManager, nodes: list[Node]) -> None:
 
 
 def _check_lru(mgr: CacheManager, nodes: list[Node]) -> None:
-    from kvcached.eviction import cpu_evictable, gpu_evictable
+    from kvcached.core.eviction import cpu_evictable, gpu_evictable
     for name, lru, pred in (("GPU", mgr.tree.gpu_lru, gpu_evictable),
                             ("CPU", mgr.tree.cpu_lru, cpu_evictable)):
         expected = {n for n in nodes if pred(n)}

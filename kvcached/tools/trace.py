@@ -134,7 +134,7 @@ class IdealCache:
 
     def add(self, tokens: list[int]) -> None:
         """Count the cached prefix of ``tokens`` (as ``allocate`` would), then cache it."""
-        from kvcached.hashing import block_hashes
+        from kvcached.core.hashing import block_hashes
         hashes = block_hashes(b"ideal", tokens, self.block_size)
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
         n = 0
@@ -156,7 +156,7 @@ def replay_trace(path: str | Path, max_requests: int | None = None, **overrides)
     ``overrides`` are CacheConfig fields: tier capacities (``num_gpu_blocks``,
     ``num_cpu_blocks``), ``block_size``, storage settings, ...
     """
-    from kvcached.manager import CacheManager
+    from kvcached.core.manager import CacheManager
     reqs = load_trace(path, max_requests)
     cfg = trace_config(**overrides)
     t0 = time.perf_counter()
@@ -338,7 +338,7 @@ def _fresh_store(parent: str | None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvcached.trace --trace FILE ...``: the ``bench trace`` command."""
+    """``python -m kvcached.tools.trace --trace FILE ...``: the ``bench trace`` command."""
     try:
         trace_command.main(args=list(argv) if argv is not None else None,
                            prog_name="kvcached bench trace", standalone_mode=False)

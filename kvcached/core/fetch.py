@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from kvcached.core.tree import CPU, GPU, STORAGE, SWAP_IN, Node
 from kvcached.errors import TransferFailed, WorkerLost
 from kvcached.transfer.base import Task, TaskResult
-from kvcached.tree import CPU, GPU, STORAGE, SWAP_IN, Node
 from kvcached.types import HitInfo
 
 if TYPE_CHECKING:
-    from kvcached.manager import _Request
+    from kvcached.core.manager import _Request
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from kvcached import config, shm
+from kvcached import config
+from kvcached.memory import shm
 
 logger = logging.getLogger(__name__)
 

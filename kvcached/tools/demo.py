@@ -280,7 +280,7 @@ def run_demo(requests: int = 600, seed: int = 0, verify_sample: int = 8,
     ``storage=False`` leaves the storage tier off.
     Raises RuntimeError when a sampled request differs from its recompute.
     """
-    from kvcached.logs import setup_process_logging
+    from kvcached.ops.logs import setup_process_logging
     out = out or sys.stdout
     t0 = time.perf_counter()
     log_dir = Path(log_dir).resolve()

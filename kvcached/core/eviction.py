@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import logging
 
-from kvcached.errors import TransferFailed
-from kvcached.fetch import task_error
-from kvcached.pool import BlockPool
-from kvcached.transfer.base import Task
-from kvcached.tree import (
+from kvcached.core.fetch import task_error
+from kvcached.core.pool import BlockPool
+from kvcached.core.tree import (
     CPU,
     GPU,
     STORAGE,
@@ -33,6 +31,8 @@ from kvcached.tree import (
     native_land_swap_out,
     native_unref_path,
 )
+from kvcached.errors import TransferFailed
+from kvcached.transfer.base import Task
 
 logger = logging.getLogger(__name__)
 

@@ -81,7 +81,7 @@ class Launcher:
     # ------------------------------------------------------------- running
     def run(self) -> int:
         """Supervise until stopped; returns 0 after a requested stop, 1 if gave up."""
-        from kvcached.rundir import create_run_dir
+        from kvcached.memory.rundir import create_run_dir
         create_run_dir(str(self.run_dir))  # mode 0700: only this user reaches the sockets
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.spawn_workers:
@@ -201,7 +201,7 @@ def _die_with_parent(parent_pid: int):
 
 def launch(config_path: str, run_dir: str | None, max_restarts: int | None = None) -> int:
     """Entry point of ``kvcached launch``: load the config, log, supervise."""
-    from kvcached.logs import setup_process_logging
+    from kvcached.ops.logs import setup_process_logging
     overrides = {"run_dir": run_dir} if run_dir else {}
     cfg = CacheConfig.load(config_path, **overrides)
     if not cfg.run_dir:

@@ -1,0 +1,1 @@
+"""Memory shared across processes: KV planes (shm, CUDA IPC), host pools, run directories."""

@@ -1,0 +1,1 @@
+"""Tools around the cache: the demo, the synthetic chat workload, trace replay."""
