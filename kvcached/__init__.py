@@ -3,17 +3,35 @@
 The engine's scheduler talks to ``CacheManager``; model runners share their
 KV planes with ``export_kv_cache`` (or attach to planes kvcached created with
 ``attach_kv_cache``). See docs/architecture.md.
+
+The names below are imported on first use, so that importing a submodule
+(the control client of ``kvcached status``, the native core) does not load
+torch.
 """
 
-from kvcached.config import CacheConfig
-from kvcached.core.manager import CacheManager
-from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed, WorkerLost
-from kvcached.memory.kvshare import allocate_kv_cache, attach_kv_cache, export_kv_cache
-from kvcached.types import Allocation, CacheStats, HitInfo
+import importlib
 
-__all__ = [
-    "CacheConfig", "CacheManager", "Allocation", "HitInfo", "CacheStats",
-    "NoFreeBlocks", "WorkerLost", "CacheAsleep", "TransferFailed",
-    "export_kv_cache", "attach_kv_cache", "allocate_kv_cache",
-]
+_EXPORTS = {
+    "CacheConfig": "kvcached.config",
+    "CacheManager": "kvcached.core.manager",
+    "Allocation": "kvcached.types", "HitInfo": "kvcached.types", "CacheStats": "kvcached.types",
+    "NoFreeBlocks": "kvcached.errors", "WorkerLost": "kvcached.errors",
+    "CacheAsleep": "kvcached.errors", "TransferFailed": "kvcached.errors",
+    "export_kv_cache": "kvcached.memory.kvshare", "attach_kv_cache": "kvcached.memory.kvshare",
+    "allocate_kv_cache": "kvcached.memory.kvshare",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcached' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -189,7 +189,7 @@ def evict_round(setups: list, evict: int, chunk: int, tag: int) -> dict[int, lis
     for n, mgr, filler in setups:
         for i in range(plan[n]):
             mgr.free(("evict", tag, i))
-        filler.fill(n - mgr.tree.num_nodes)  # back to n cached blocks
+        filler.fill(n - mgr.core.num_nodes)  # back to n cached blocks
     return samples
 
 
@@ -215,7 +215,7 @@ def bench_eviction(tmp, sizes: list[int], evict: int, rounds: int, chain: int,
                     + " ns/block")
         finally:
             gc.unfreeze()
-        leaves = {n: len(mgr.tree.gpu_lru) for n, mgr, _ in setups}
+        leaves = {n: mgr.core.gpu_leaves for n, mgr, _ in setups}
         for _, mgr, _ in setups:
             mgr.check_invariants()
     out = {str(n): {"ns_per_block": statistics.median(v), "p10_ns": percentile(v, 0.1),
@@ -248,7 +248,7 @@ def _build_tree(stack: ExitStack, tmp, cached: int, chain: int, chunk: int):
     filler = ChainFiller(mgr, chain)
     t0 = time.perf_counter()
     filler.fill(cached, what=f"build {_short(cached)} blocks")
-    assert mgr.tree.num_nodes == cached, (mgr.tree.num_nodes, cached)
+    assert mgr.core.num_nodes == cached, (mgr.core.num_nodes, cached)
     log(f"built {cached} cached blocks in {time.perf_counter() - t0:.1f}s")
     return cached, mgr, filler
 

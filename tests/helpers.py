@@ -35,28 +35,40 @@ class FlakyTransfer(InProcessTransfer):
 
 def snapshot(mgr) -> tuple:
     """Everything allocate may change, to prove a failed call changed nothing."""
+    snap = mgr.snapshot()
     nodes = sorted((n.hash, n.state, n.gpu, n.cpu, n.ref, n.last_access)
-                   for n in mgr.tree.walk())
-    reqs = sorted((str(r.rid), tuple(r.blocks), len(r.nodes)) for r in mgr._reqs.values())
-    return (mgr.gpu_pool.free_ids(), mgr.cpu_pool.free_ids(), nodes, reqs,
-            lru_order(mgr.tree.gpu_lru), lru_order(mgr.tree.cpu_lru))
+                   for n in snap.nodes.values())
+    reqs = sorted((str(r.rid), r.blocks, len(r.path)) for r in snap.requests)
+    return (snap.gpu_free, snap.cpu_free, nodes, reqs, lru_order(snap, "gpu"),
+            lru_order(snap, "cpu"))
 
 
-def lru_order(lru) -> list[bytes]:
-    """The hashes of an LRU's nodes in the order eviction would take them."""
-    return [n.hash for n in sorted(lru.nodes(), key=lambda n: getattr(n, lru.slot))]
+def lru_order(snap, tier: str) -> list[bytes]:
+    """The hashes of a tier's evictable leaves in the order eviction would take them."""
+    return [snap.nodes[i].hash for i in (snap.gpu_lru if tier == "gpu" else snap.cpu_lru)]
+
+
+def path_nodes(mgr, token_ids, extra_key=None) -> list:
+    """The cached nodes (NodeView) along ``token_ids``'s path, root first."""
+    from kvcached.core.hashing import block_hashes
+    snap = mgr.snapshot()
+    by_hash, out, parent = snap.by_hash(), [], 0
+    for h in block_hashes(snap.namespace, token_ids, mgr.block_size, extra_key):
+        node = by_hash.get(h)
+        if node is None or node.parent != parent:
+            break
+        out.append(node)
+        parent = node.id
+    return out
 
 
 def tier_of(mgr, token_ids, extra_key=None):
     """States of the cached nodes along ``token_ids``'s path, root first."""
-    from kvcached.core.hashing import block_hashes
-    node, out = mgr.tree.root, []
-    for h in block_hashes(mgr._ns, token_ids, mgr.block_size, extra_key):
-        node = node.child(h)
-        if node is None:
-            break
-        out.append((node.state.name, node.gpu, node.cpu))
-    return out
+    return [(n.state.name, n.gpu, n.cpu) for n in path_nodes(mgr, token_ids, extra_key)]
+
+
+def cpu_used(mgr) -> int:
+    return mgr.stats().tiers["cpu"].used
 
 
 def wait_for(pred, timeout: float, what: str, step: float = 0.02):

@@ -1,7 +1,9 @@
 """Random allocate / commit / extend / free / eviction / failed transfers,
-with ``check_invariants()`` after every step (hypothesis stateful testing).
+with ``check_invariants()`` after every step (hypothesis stateful testing),
+the reference manager (tests/reference/) serving the same calls alongside:
+after every step both must be in the same state.
 
-100 examples x 100 steps = 10,000 steps in CI.
+150 examples x 100 steps: at least 10,000 steps in CI.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from conftest import tiny_config
 from helpers import FlakyTransfer, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from reference.compare import diff, reference_state, state
+from reference.manager import CacheManager as ReferenceManager
 
 from kvcached import NoFreeBlocks, TransferFailed
 from kvcached.core.manager import CacheManager
@@ -35,31 +39,55 @@ class ManagerMachine(RuleBasedStateMachine):
         cfg = tiny_config(run_dir=self.dir, num_gpu_blocks=12, num_cpu_blocks=6)
         self.transfer = FlakyTransfer(cfg, self.dir)
         self.mgr = CacheManager(cfg, transfer=self.transfer).start()
+        ref_cfg = cfg.replace(run_dir=self.dir + "/reference")
+        self.ref_transfer = FlakyTransfer(ref_cfg, ref_cfg.run_dir)
+        self.ref = ReferenceManager(ref_cfg, transfer=self.ref_transfer).start()
         self.running: dict[int, list[int]] = {}  # rid -> tokens it holds
         self.next_id = 0
 
     def teardown(self):
         self.mgr.close()
+        self.ref.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def both(self, fn):
+        """fn(manager) on the manager and on the reference: the same result or
+        the same exception type; returns the manager's result (or raises)."""
+        out = []
+        for mgr in (self.mgr, self.ref):
+            try:
+                out.append((None, fn(mgr)))
+            except (NoFreeBlocks, TransferFailed) as e:
+                out.append((e, None))
+        (err, got), (ref_err, want) = out
+        assert type(err) is type(ref_err) and got == want, (out, fn)
+        if err is not None:
+            raise err
+        return got
 
     @rule(tokens=prompts, reserve=st.integers(0, 6))
     def allocate(self, tokens, reserve):
         rid, self.next_id = self.next_id, self.next_id + 1
         before = snapshot(self.mgr)
+
+        def alloc(mgr):
+            a = mgr.allocate(rid, tokens, reserve_tokens=reserve)
+            failed = False
+            try:
+                a.wait()
+            except TransferFailed:
+                failed = True
+            return list(a.block_ids), a.num_cached_tokens, tuple(a.hit), failed
         try:
-            a = self.mgr.allocate(rid, tokens, reserve_tokens=reserve)
+            blocks, cached, hit, failed = self.both(alloc)
         except NoFreeBlocks:
             assert snapshot(self.mgr) == before  # including every LRU's order
             return
-        except TransferFailed:
-            return
-        assert len(a.block_ids) == -(-(len(tokens) + reserve) // BS)
-        assert a.num_cached_tokens <= len(tokens) - 1
-        try:
-            a.wait()
-        except TransferFailed:
-            assert a.num_cached_tokens == a.hit.gpu_tokens
-        assert a.num_cached_tokens == a.hit.gpu_tokens + a.hit.cpu_tokens
+        assert len(blocks) == -(-(len(tokens) + reserve) // BS)
+        assert cached <= len(tokens) - 1
+        if failed:
+            assert cached == hit[0]
+        assert cached == hit[0] + hit[1]
         self.running[rid] = list(tokens)
 
     @precondition(lambda self: self.running)
@@ -68,7 +96,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.running)))
         tokens = self.running[rid]
         n = data.draw(st.integers(0, len(tokens)))
-        ids = self.mgr.commit(rid, tokens, n)
+        ids = self.both(lambda m: list(m.commit(rid, tokens, n)))
         assert len(set(ids)) == len(ids)
 
     @precondition(lambda self: self.running)
@@ -76,23 +104,24 @@ class ManagerMachine(RuleBasedStateMachine):
     def extend_and_commit(self, data, extra):
         rid = data.draw(st.sampled_from(sorted(self.running)))
         try:
-            self.mgr.extend(rid, len(extra))
+            self.both(lambda m: m.extend(rid, len(extra)))
         except (NoFreeBlocks, TransferFailed):
             return
         self.running[rid] = self.running[rid] + extra
-        self.mgr.commit(rid, self.running[rid], len(self.running[rid]))
+        self.both(lambda m: list(m.commit(rid, self.running[rid], len(self.running[rid]))))
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def free(self, data):
         rid = data.draw(st.sampled_from(sorted(self.running)))
-        self.mgr.free(rid)
+        self.both(lambda m: m.free(rid))
         del self.running[rid]
 
     @rule(kinds=st.sets(st.sampled_from(["swap_out", "swap_in"])), lost=st.booleans())
     def set_failures(self, kinds, lost):
-        self.transfer.fail_kinds = kinds
-        self.transfer.lost = lost
+        for transfer in (self.transfer, self.ref_transfer):
+            transfer.fail_kinds = kinds
+            transfer.lost = lost
 
     @rule(n=st.integers(1, 12))
     def force_eviction(self, n):
@@ -100,10 +129,10 @@ class ManagerMachine(RuleBasedStateMachine):
         rid, self.next_id = self.next_id, self.next_id + 1
         tokens = [100 + rid] * (n * BS)
         try:
-            self.mgr.allocate(rid, tokens)
+            self.both(lambda m: list(m.allocate(rid, tokens).block_ids))
         except (NoFreeBlocks, TransferFailed):
             return
-        self.mgr.free(rid)
+        self.both(lambda m: m.free(rid))
 
     @invariant()
     def invariants_hold(self):
@@ -111,6 +140,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.check_invariants()
         st_ = self.mgr.stats()
         assert st_.tiers["gpu"].used + st_.tiers["gpu"].free == 12
+        d = diff(state(self.mgr), reference_state(self.ref))
+        assert d is None, d
 
 
 TestManagerMachine = ManagerMachine.TestCase

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import toks
-from helpers import FlakyTransfer, snapshot, tier_of
+from helpers import FlakyTransfer, cpu_used, path_nodes, snapshot, tier_of
 
 from kvcached import NoFreeBlocks, TransferFailed
 
@@ -31,7 +31,7 @@ def test_first_request_full_hit_and_partial_hit(make_manager):
     assert a.block_ids == [0, 1, 2, 3] and a.num_cached_tokens == 0
     mgr.commit("r1", prompt, len(prompt))
     mgr.free("r1")  # blocks 0-2 stay cached; the private tail block 3 is freed
-    assert mgr.gpu_pool.free_ids() == [4, 5, 6, 7, 3]
+    assert mgr.snapshot().gpu_free == [4, 5, 6, 7, 3]
 
     # 2. The same prompt hits its three full blocks on GPU.
     a = mgr.allocate("r2", prompt)
@@ -41,7 +41,7 @@ def test_first_request_full_hit_and_partial_hit(make_manager):
     # 3. A prompt that diverges at block 3 reuses blocks 0-1 (shared with r2).
     a3 = mgr.allocate("r3", toks(1, 2, 7, tail=2))
     assert a3.block_ids == [0, 1, 5, 6] and a3.num_cached_tokens == 8
-    assert [n.ref for n in _path(mgr, prompt)] == [2, 2, 1]
+    assert [n.ref for n in path_nodes(mgr, prompt)] == [2, 2, 1]
     mgr.check_invariants()
 
     st = mgr.stats()
@@ -64,7 +64,7 @@ def test_commit_deduplicates_a_block_cached_first_by_another_request(make_manage
     assert a.block_ids == [0, 2]  # block "2" is recomputed into block 2
     ids = mgr.commit("r2", toks(1, 2), 8)
     assert ids == [0, 1] and a.block_ids == [0, 1]  # the duplicate went back to the pool
-    assert 2 in mgr.gpu_pool.free_ids()
+    assert 2 in mgr.snapshot().gpu_free
     assert mgr.stats().dedup_blocks == 1
     mgr.check_invariants()
 
@@ -81,7 +81,7 @@ def test_concurrent_requests_share_blocks_then_both_free(make_manager):
     mgr.check_invariants()
     mgr.free("b")
     mgr.check_invariants()
-    assert sorted(mgr.gpu_pool.free_ids()) == [2, 3, 4, 5, 6, 7]
+    assert sorted(mgr.snapshot().gpu_free) == [2, 3, 4, 5, 6, 7]
 
 
 def test_eviction_without_cpu_tier_drops_lru_leaves_deepest_first(make_manager):
@@ -210,7 +210,7 @@ def test_namespaces_and_extra_keys_never_share_blocks(make_manager, tmp_path):
     assert mgr.allocate("lora-a2", toks(1, 2, tail=1),
                         extra_key="adapter-a").num_cached_tokens == 8
     other = make_manager(weight_version="1")
-    assert other._ns != mgr._ns
+    assert other.snapshot().namespace != mgr.snapshot().namespace
 
 
 def test_failed_swap_out_falls_back_to_dropping(make_manager):
@@ -222,7 +222,7 @@ def test_failed_swap_out_falls_back_to_dropping(make_manager):
     a = mgr.allocate("r2", toks(5, 6, tail=1))
     assert a.block_ids == [3, 2, 1]  # "3" and "2" were dropped after the failed copy
     assert tier_of(mgr, toks(1, 2, 3)) == [("GPU", 0, -1)]
-    assert mgr.cpu_pool.num_free == 4  # the rolled-back CPU blocks came back
+    assert cpu_used(mgr) == 0  # the rolled-back CPU blocks came back
     st = mgr.stats()
     assert st.transfers["swap_out"]["failed"] == 1 and st.evictions == {"gpu_dropped": 2}
     mgr.check_invariants()
@@ -232,10 +232,10 @@ def test_unhealthy_transfer_switches_cpu_tier_off(make_manager):
     mgr = make_manager(transfer=FlakyTransfer, num_gpu_blocks=4, num_cpu_blocks=4)
     serve(mgr, "r1", toks(1, 2, 3))
     serve(mgr, "r2", toks(5, 6, tail=1))  # "2", "3" to CPU
-    assert mgr.cpu_pool.num_used == 2
+    assert cpu_used(mgr) == 2
     mgr._transfer.is_healthy = False
     mgr.check_invariants()  # reaps: the CPU tier goes
-    assert not mgr.cpu_enabled and mgr.cpu_pool.num_used == 0
+    assert not mgr.cpu_enabled and cpu_used(mgr) == 0
     assert tier_of(mgr, toks(1, 2, 3)) == [("GPU", 0, -1)]
     serve(mgr, "r3", toks(8, 9, tail=1))  # evicts by dropping, no transfer
     mgr.check_invariants()
@@ -267,7 +267,7 @@ def test_commit_before_wait_is_refused(make_manager):
     serve(mgr, "r1", toks(1, 2, 3))
     serve(mgr, "r2", toks(5, 6, tail=1))
     a = mgr.allocate("r3", toks(1, 2, 3, tail=1))
-    mgr._reap()  # land the (synchronous) swap-in, then pretend it is still running
+    mgr.stats()  # reaps: lands the (synchronous) swap-in; then pretend it is still running
     h = a._handles[0]
     result, h.result = h.result, None
     with pytest.raises(RuntimeError, match="wait"):
@@ -302,36 +302,36 @@ def test_allocate_before_start_is_refused(tmp_path):
         mgr.allocate("r", toks(1))
 
 
-def _path(mgr, tokens):
-    from kvcached.core.hashing import block_hashes
-    node, out = mgr.tree.root, []
-    for h in block_hashes(mgr._ns, tokens, mgr.block_size):
-        node = node.child(h)
-        if node is None:
-            break
-        out.append(node)
-    return out
-
-
 @pytest.mark.parametrize("how", ["eviction", "sleep"])
-def test_a_node_kept_for_storage_takes_the_cpu_copies_below_it_along(make_manager, how):
+def test_a_node_kept_for_storage_takes_the_cpu_copies_below_it_along(make_manager, tmp_path,
+                                                                      how):
     """A GPU node without a backup that storage still holds stays, as STORAGE,
     when its GPU copy goes; its CPU-held children are unreachable from then on
     (a match stops at a STORAGE node), so their host blocks go too rather
     than sit under it."""
-    mgr = make_manager(num_gpu_blocks=4, num_cpu_blocks=4)
-    serve(mgr, "r1", toks(1, 2))  # "1"->0, "2"->1; free list [2, 3]
-    a = mgr.allocate("r2", toks(5, tail=5))  # needs 3: "2" is swapped out to host block 0
+    mgr = make_manager(transfer=FlakyTransfer, num_gpu_blocks=4, num_cpu_blocks=4,
+                       storage_backend="file", storage_url=str(tmp_path / "store"))
+    serve(mgr, "r0", toks(1, 2))  # written through: both blocks in storage
+    mgr.sleep(release_host_pool=True)
+    mgr.wakeup()  # only storage holds them now
+    assert tier_of(mgr, toks(1, 2)) == [("STORAGE", -1, -1)] * 2
+    mgr.transfer.fail_kinds = {"load"}  # the load of "1" fails: r1 computes both blocks,
+    a = mgr.allocate("r1", toks(1, 2))
+    with pytest.raises(TransferFailed):
+        a.wait()
+    mgr.commit("r1", toks(1, 2), 8)  # and its commit adopts the nodes: on GPU, no backup
+    mgr.free("r1")
+    assert tier_of(mgr, toks(1, 2)) == [("GPU", 2, -1), ("GPU", 3, -1)]
+    a = mgr.allocate("r2", toks(5, tail=5))  # needs 3: "2" is swapped out to a host block
     a.wait()
-    assert tier_of(mgr, toks(1, 2)) == [("GPU", 0, -1), ("CPU", -1, 0)]
-    one = next(n for n in mgr.tree.walk() if n.gpu == 0)
-    one.in_storage = True  # as a write-through would have left it
+    assert tier_of(mgr, toks(1, 2)) == [("GPU", 2, -1), ("CPU", -1, 3)]
     mgr.free("r2")
+    dropped = mgr.stats().evictions["cpu_dropped"]
     if how == "sleep":
         mgr.sleep()  # every GPU copy goes
     else:
         mgr.pause()  # evictions drop instead of swapping out
         mgr.allocate("r3", toks(7, 8, tail=5)).wait()  # needs all 4 GPU blocks
-    assert one.state.name == "STORAGE" and one.n_children == 0
-    assert mgr.cpu_pool.num_free == 4 and mgr.stats().evictions["cpu_dropped"] == 1
+    assert tier_of(mgr, toks(1, 2)) == [("STORAGE", -1, -1)] * 2
+    assert cpu_used(mgr) == 0 and mgr.stats().evictions["cpu_dropped"] == dropped + 1
     mgr.check_invariants()

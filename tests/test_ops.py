@@ -514,7 +514,7 @@ def test_sleep_releasing_the_host_pool_empties_the_cpu_tier(dep):
     cache_prompt(dep, "h1", prompt, salt=60)
     evict_all(dep)
     cli("ctl", "sleep", "--release-host-pool", "--run-dir", rd)
-    assert mgr.cpu_pool.num_used == 0
+    assert mgr.stats().tiers["cpu"].used == 0
     cli("ctl", "wakeup", "--run-dir", rd)
     a = mgr.allocate("h2", prompt)
     assert a.num_cached_tokens == 0

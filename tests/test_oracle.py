@@ -32,7 +32,7 @@ import pytest
 
 from kvcached import NoFreeBlocks
 from kvcached.core.hashing import block_hashes
-from kvcached.core.tree import Tier
+from kvcached.core.snapshot import Tier
 from kvcached.tools.workload import ChatRequest, generate_chat_workload, replay
 
 BS = 4
@@ -174,7 +174,7 @@ def block_prompts(seed: int, count: int, max_blocks: int, alphabet: int = 3) -> 
 
 def tree_state(mgr) -> dict[bytes, tuple[bool, bool]]:
     out = {}
-    for n in mgr.tree.walk():
+    for n in mgr.snapshot().nodes.values():
         assert n.state in (Tier.GPU, Tier.CPU), n  # nothing in flight between requests
         out[n.hash] = (n.state is Tier.GPU, n.cpu >= 0)
     return out
@@ -185,7 +185,7 @@ def ref_state(mgr, ref: RefCache, cache: dict) -> dict[bytes, tuple[bool, bool]]
     for key, v in ref.nodes.items():
         h = cache.get(key)
         if h is None:
-            h = cache[key] = block_hashes(mgr._ns, list(key), ref.bs)[-1]
+            h = cache[key] = block_hashes(mgr.snapshot().namespace, list(key), ref.bs)[-1]
         out[h] = (v["gpu"], v["cpu"])
     return out
 

@@ -199,7 +199,7 @@ def test_attach_and_detach_storage_at_run_time(tmp_path, mode):
         assert a.num_cached_tokens == 752
         mgr.free("attached")
         assert mgr.detach_storage()["changed"]
-        assert not any(n.in_storage for n in mgr.tree.walk())
+        assert not any(n.in_storage for n in mgr.snapshot().nodes.values())
         mgr.check_invariants()
         with pytest.raises(ValueError, match="storage_backend"):
             mgr.attach_storage("floppy", "")

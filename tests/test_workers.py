@@ -168,7 +168,7 @@ def test_worker_that_cannot_restart_leaves_gpu_only_serving(workers_manager):
     os.kill(mgr.stats().workers[0]["pid"], signal.SIGKILL)
     wait_for(lambda: not mgr.transfer.healthy, 5, "the coordinator to give up")
     mgr.check_invariants()
-    assert not mgr.cpu_enabled and mgr.cpu_pool.num_used == 0
+    assert not mgr.cpu_enabled and mgr.stats().tiers["cpu"].used == 0
     for i in range(3):  # keeps serving by dropping GPU blocks
         mgr.allocate(f"g{i}", toks(10 + i, 20 + i, tail=1))
         mgr.commit(f"g{i}", toks(10 + i, 20 + i, tail=1), 9)

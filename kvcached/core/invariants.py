@@ -1,158 +1,182 @@
 """``CacheManager.check_invariants``: prove every block id is in exactly one place.
 
-Recomputes from scratch what the manager maintains incrementally (ownership
-of every GPU and CPU id, ref counts, child counters, idle count, LRU sets,
-tree structure) and raises InvariantError on the first difference. O(n):
-for tests and debugging, never on a hot path.
+Reads a ``CacheSnapshot`` and recomputes from scratch what the core keeps
+incrementally (ownership of every GPU and CPU id, reference counts, child
+counters, the idle count, both tiers' evictable leaves, the tree's shape,
+the hash memo), raising InvariantError on the first difference. O(n): for
+tests and debugging, never on a hot path.
 """
 
 from __future__ import annotations
 
 import collections
 from hashlib import blake2b
-from typing import TYPE_CHECKING
 
-from kvcached.core.hashing import hash_input, memo_key
-from kvcached.core.tree import GPU_STATES, Node, Tier
-
-if TYPE_CHECKING:
-    from kvcached.core.manager import CacheManager
+from kvcached.core.hashing import hash_input
+from kvcached.core.snapshot import GPU_STATES, ROOT, CacheSnapshot, NodeView, Tier
 
 
 class InvariantError(AssertionError):
-    """A manager invariant does not hold (always a kvcached bug)."""
+    """A cache invariant does not hold (always a kvcached bug)."""
 
 
 def _fail(msg: str) -> None:
     raise InvariantError(msg)
 
 
-def check(mgr: CacheManager) -> None:
-    nodes = list(mgr.tree.walk())
-    if len(nodes) != mgr.tree.num_nodes:
-        _fail(f"tree counts {mgr.tree.num_nodes} nodes, walk finds {len(nodes)}")
-    _check_structure(nodes)
-    _check_ownership(mgr, nodes, "gpu")
-    _check_ownership(mgr, nodes, "cpu")
-    _check_requests(mgr, nodes)
-    _check_busy(mgr, nodes)
-    _check_lru(mgr, nodes)
-    _check_memo(mgr, nodes)
+def check(snap: CacheSnapshot, core=None) -> None:
+    """Check every invariant of ``snap``; with ``core`` (the native core it was
+    taken from), also that the memo walk finds each remembered node."""
+    nodes = snap.nodes
+    if len(nodes) != snap.num_nodes:
+        _fail(f"the core counts {snap.num_nodes} nodes, the walk finds {len(nodes)}")
+    _check_structure(snap)
+    _check_ownership(snap, "gpu")
+    _check_ownership(snap, "cpu")
+    _check_requests(snap)
+    _check_busy(snap)
+    _check_leaves(snap)
+    _check_memo(snap, core)
 
 
-def _check_busy(mgr: CacheManager, nodes: list[Node]) -> None:
-    """``busy`` counts the write-through tasks in flight that read the node."""
-    busy: collections.Counter[Node] = collections.Counter()
-    for kind, _, task_nodes, _ in mgr._pending.values():
-        if kind == "store":
-            busy.update(task_nodes)
-    for n in nodes:
-        if n.busy != busy[n]:
-            _fail(f"{n}: busy={n.busy} but {busy[n]} store tasks in flight read it")
-        if n.busy and (n.state is not Tier.GPU or n.cpu < 0):
-            _fail(f"{n}: a busy node must be on GPU with its staging CPU block")
+def _check_structure(snap: CacheSnapshot) -> None:
+    nodes = snap.nodes
+    counts = collections.defaultdict(lambda: [0, 0, 0])  # children, on GPU, holding CPU
+    for n in nodes.values():
+        p = nodes.get(n.parent)
+        if p is None and n.parent != ROOT:
+            _fail(f"{n}'s parent {n.parent} is not in the tree")
+        if n.depth != (p.depth + 1 if p else 1):
+            _fail(f"{n} has depth {n.depth} under a parent of depth {p.depth if p else 0}")
+        c = counts[n.parent]
+        c[0] += 1
+        c[1] += n.state in (Tier.GPU, Tier.SWAP_IN)
+        c[2] += n.cpu >= 0
+        _check_node(n, p)
+    for n in nodes.values():
+        got = (n.n_children, n.n_gpu_children, n.n_cpu_children)
+        if got != tuple(counts[n.id]):
+            _fail(f"{n}: child counters {got} but its children are {tuple(counts[n.id])}")
+    if snap.root_children != tuple(counts[ROOT][1:]):
+        _fail(f"the root's child counters {snap.root_children} but its children "
+              f"are {tuple(counts[ROOT][1:])}")
 
 
-def _check_structure(nodes: list[Node]) -> None:
-    for n in nodes:
-        p = n.parent
-        if p.child(n.hash) is not n or n.depth != p.depth + 1:
-            _fail(f"{n} is not linked under its parent {p}")
-        holds_gpu = n.state in GPU_STATES
-        if holds_gpu != (n.gpu >= 0):
-            _fail(f"{n}: state {n.state.name} but gpu block {n.gpu}")
-        if n.state in (Tier.CPU, Tier.SWAP_IN, Tier.SWAP_OUT) and n.cpu < 0:
-            _fail(f"{n}: state {n.state.name} without a CPU block")
-        if n.state is Tier.STORAGE and (n.cpu >= 0 or not n.in_storage):
-            _fail(f"{n}: STORAGE node must hold no CPU block and be in storage")
-        if p.parent is not None and p.state is Tier.STORAGE and n.state is not Tier.STORAGE:
-            _fail(f"{n} holds a copy under the STORAGE-only node {p}")
-        if p.parent is not None:
-            if holds_gpu and p.state not in GPU_STATES:
-                _fail(f"{n} holds a GPU block under {p} which does not (GPU not prefix-closed)")
-            if n.cpu >= 0 and p.gpu < 0 and p.cpu < 0:
-                _fail(f"{n} holds a CPU block under {p} which holds nothing")
-        n_gpu = sum(c.state in (Tier.GPU, Tier.SWAP_IN) for c in n.child_nodes())
-        n_cpu = sum(c.cpu >= 0 for c in n.child_nodes())
-        if (n_gpu, n_cpu) != (n.n_gpu_children, n.n_cpu_children):
-            _fail(f"{n}: child counters ({n.n_gpu_children}, {n.n_cpu_children}) "
-                  f"but children hold ({n_gpu}, {n_cpu})")
+def _check_node(n: NodeView, p: NodeView | None) -> None:
+    """A node's copies match its state; copies are prefix-closed."""
+    holds_gpu = n.state in GPU_STATES
+    if holds_gpu != (n.gpu >= 0):
+        _fail(f"{n}: state {n.state.name} but gpu block {n.gpu}")
+    if n.state in (Tier.CPU, Tier.SWAP_IN, Tier.SWAP_OUT) and n.cpu < 0:
+        _fail(f"{n}: state {n.state.name} without a CPU block")
+    if n.state is Tier.STORAGE and (n.cpu >= 0 or not n.in_storage):
+        _fail(f"{n}: STORAGE node must hold no CPU block and be in storage")
+    if p is None:
+        return
+    if p.state is Tier.STORAGE and n.state is not Tier.STORAGE:
+        _fail(f"{n} holds a copy under the STORAGE-only node {p}")
+    if holds_gpu and p.state not in GPU_STATES:
+        _fail(f"{n} holds a GPU block under {p} which does not (GPU not prefix-closed)")
+    if n.cpu >= 0 and p.gpu < 0 and p.cpu < 0:
+        _fail(f"{n} holds a CPU block under {p} which holds nothing")
 
 
-def _check_ownership(mgr: CacheManager, nodes: list[Node], tier: str) -> None:
-    pool = mgr.gpu_pool if tier == "gpu" else mgr.cpu_pool
+def _check_ownership(snap: CacheSnapshot, tier: str) -> None:
+    total = snap.gpu_blocks if tier == "gpu" else snap.cpu_blocks
     owners: dict[int, object] = {}  # block -> holder; described only on failure
 
     def claim(block: int, who: object) -> None:
-        if not 0 <= block < pool.num_blocks:
+        if not 0 <= block < total:
             _fail(f"{tier} block {block} held by {who!r} is out of range")
         if block in owners:
             _fail(f"{tier} block {block} is held by {owners[block]!r} and by {who!r}")
         owners[block] = who
 
-    for b in pool.free_ids():
+    for b in snap.gpu_free if tier == "gpu" else snap.cpu_free:
         claim(b, "the free list")
-    for n in nodes:
+    for n in snap.nodes.values():
         b = n.gpu if tier == "gpu" else n.cpu
         if b >= 0:
             claim(b, n)
     if tier == "gpu":
-        for r in mgr._reqs.values():
-            for b in r.blocks[len(r.nodes):]:
+        for r in snap.requests:
+            for b in r.blocks[len(r.path):]:
                 claim(b, f"request {r.rid!r}")
-    if len(owners) != pool.num_blocks:
-        missing = sorted(set(range(pool.num_blocks)) - set(owners))[:10]
+    if len(owners) != total:
+        missing = sorted(set(range(total)) - set(owners))[:10]
         _fail(f"{tier} blocks leaked (held by nobody): {missing}")
 
 
-def _check_requests(mgr: CacheManager, nodes: list[Node]) -> None:
-    refs: collections.Counter[Node] = collections.Counter()
-    for r in mgr._reqs.values():
-        parent = mgr.tree.root
-        for i, n in enumerate(r.nodes):
-            if n.parent is not parent:
+def _check_requests(snap: CacheSnapshot) -> None:
+    nodes = snap.nodes
+    refs: collections.Counter[int] = collections.Counter()
+    for r in snap.requests:
+        parent = ROOT
+        for i, nid in enumerate(r.path):
+            n = nodes.get(nid)
+            if n is None or n.parent != parent:
                 _fail(f"request {r.rid!r}: node {i} is not a child of node {i - 1}")
             if r.blocks[i] != n.gpu:
                 _fail(f"request {r.rid!r}: block {i} is {r.blocks[i]} but its node has {n.gpu}")
-            refs[n] += 1
-            parent = n
+            refs[nid] += 1
+            parent = nid
     idle = 0
-    for n in nodes:
-        if n.ref != refs[n]:
-            _fail(f"{n}: ref_count {n.ref} but {refs[n]} live requests hold it")
+    for n in nodes.values():
+        if n.ref != refs[n.id]:
+            _fail(f"{n}: ref_count {n.ref} but {refs[n.id]} live requests hold it")
         idle += n.state is Tier.GPU and n.ref == 0
-    if idle != mgr._n_gpu_idle:
-        _fail(f"idle GPU node count is {mgr._n_gpu_idle}, actual {idle}")
+    if idle != snap.gpu_idle:
+        _fail(f"idle GPU node count is {snap.gpu_idle}, actual {idle}")
 
 
-def _check_lru(mgr: CacheManager, nodes: list[Node]) -> None:
-    from kvcached.core.eviction import cpu_evictable, gpu_evictable
-    for name, lru, pred in (("GPU", mgr.tree.gpu_lru, gpu_evictable),
-                            ("CPU", mgr.tree.cpu_lru, cpu_evictable)):
-        expected = {n for n in nodes if pred(n)}
-        actual = lru.nodes()
+def _check_busy(snap: CacheSnapshot) -> None:
+    """``busy`` counts the write-through tasks in flight that read the node."""
+    busy = collections.Counter(nid for store in snap.stores for nid in store)
+    for n in snap.nodes.values():
+        if n.busy != busy[n.id]:
+            _fail(f"{n}: busy={n.busy} but {busy[n.id]} store tasks in flight read it")
+        if n.busy and (n.state is not Tier.GPU or n.cpu < 0):
+            _fail(f"{n}: a busy node must be on GPU with its staging CPU block")
+
+
+def gpu_evictable(n: NodeView) -> bool:
+    """An unreferenced GPU node with no child on GPU."""
+    return n.state is Tier.GPU and n.ref == 0 and n.n_gpu_children == 0 and n.busy == 0
+
+
+def cpu_evictable(n: NodeView) -> bool:
+    """A CPU copy that no CPU child depends on; a backup of a GPU node always qualifies."""
+    if n.cpu < 0 or n.n_cpu_children or n.busy:
+        return False
+    if n.state is Tier.GPU:
+        return True
+    return n.state is Tier.CPU and n.ref == 0 and n.n_gpu_children == 0
+
+
+def _check_leaves(snap: CacheSnapshot) -> None:
+    for name, listed, pred in (("GPU", snap.gpu_lru, gpu_evictable),
+                               ("CPU", snap.cpu_lru, cpu_evictable)):
+        expected = {n.id for n in snap.nodes.values() if pred(n)}
+        actual = set(listed)
+        if len(actual) != len(listed):
+            _fail(f"{name} leaf heap lists a node twice")
         if expected != actual:
-            extra = list(actual - expected)[:3]
-            missing = list(expected - actual)[:3]
-            _fail(f"{name} LRU differs from the evictable leaves: extra {extra}, missing {missing}")
-        if lru.size != len(actual):  # what eviction and stats() take for its length
-            _fail(f"{name} LRU size is {lru.size}, it lists {len(actual)} nodes")
+            extra = [snap.nodes.get(i, i) for i in list(actual - expected)[:3]]
+            missing = [snap.nodes[i] for i in list(expected - actual)[:3]]
+            _fail(f"{name} leaf heap differs from the evictable leaves: extra {extra}, "
+                  f"missing {missing}")
 
 
-def _check_memo(mgr: CacheManager, nodes: list[Node]) -> None:
-    """Every remembered input is true: it has the node's memo key and hashes to
-    the node's hash (the memo hands that hash out), and the memo's walk finds
-    the node under its parent by that key."""
-    for n in nodes:
-        if n.mkey is None:
+def _check_memo(snap: CacheSnapshot, core) -> None:
+    """Every remembered record is true: it hashes to its node's hash (the memo
+    hands that hash out), and the memo finds the node under its parent by it."""
+    for n in snap.nodes.values():
+        if n.record is None:
             continue
-        if memo_key(n.input) != n.mkey:
-            _fail(f"{n}: memo key {n.mkey} is not the key of its input")
-        block_input = hash_input(n.input, mgr.block_size)
-        if blake2b(block_input, digest_size=len(n.hash)).digest() != n.hash:
+        has_ns = n.parent == ROOT
+        parent_hash = snap.namespace if has_ns else snap.nodes[n.parent].hash
+        data = hash_input(n.record, parent_hash, snap.block_size, has_ns)
+        if blake2b(data, digest_size=len(n.hash)).digest() != n.hash:
             _fail(f"{n}: its remembered input does not hash to its hash")
-        found = n.parent.memo_child(n.mkey) if hasattr(n.parent, "memo_child") else n
-        if found is not n and not any(c is not n and c.mkey == n.mkey
-                                      for c in n.parent.child_nodes()):
-            # (a sibling whose key collides may shadow it: a miss, never a wrong hash)
-            _fail(f"{n}: the memo walk does not find it under its parent by its key")
+        if core is not None and core.memo_find(n.parent, n.record) != n.id:
+            _fail(f"{n}: the memo does not find it under its parent by its record")

@@ -1,14 +1,13 @@
-"""Counters behind ``CacheManager.stats()``: hits per tier, evictions, transfers."""
+"""Counters behind ``CacheManager.stats()``: requests, hits per tier, transfers,
+storage reads skipped (the core counts evictions and dedups itself)."""
 
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvcached.transfer.base import Task, TaskResult
 from kvcached.types import CacheStats, HitInfo, TierUsage
-
-if TYPE_CHECKING:
-    from kvcached.transfer.base import Task, TaskResult
 
 TIERS = ("gpu", "cpu", "storage")
 
@@ -28,8 +27,6 @@ class Counters:
         self.prompt_tokens = 0
         self.hit_tokens = dict.fromkeys(TIERS, 0)
         self.hit_requests = dict.fromkeys(TIERS, 0)
-        self.evictions: collections.Counter[str] = collections.Counter()
-        self.dedup_blocks = 0
         self.no_free_blocks = 0
         self.storage: collections.Counter[str] = collections.Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
@@ -71,26 +68,25 @@ class Counters:
         else:
             d["failed"] += 1
 
-    def snapshot(self, mgr, workers: list[dict[str, Any]]) -> CacheStats:
-        block_bytes = mgr.cfg.layout.block_bytes * mgr.cfg.tp_size
+    def snapshot(self, core, running: int, private_blocks: int, block_bytes: int,
+                 workers: list[dict[str, Any]]) -> CacheStats:
+        """The counters, the core's tiers and eviction counts, as CacheStats.
+        ``private_blocks``: GPU blocks running requests hold outside the tree."""
         transfers = {}
         for kind, d in self.tasks.items():
             lat = list(self._latency[kind])
             transfers[kind] = {**d, "bytes": d["blocks"] * block_bytes,
                                "p50_ms": percentile(lat, 0.5) * 1e3,
                                "p99_ms": percentile(lat, 0.99) * 1e3}
-        private = sum(len(r.blocks) - len(r.nodes) for r in mgr._reqs.values())
+        gpu_used = core.gpu_blocks - core.gpu_free
+        cpu_used = core.cpu_blocks - core.cpu_free
+        counted = core.counters()
         return CacheStats(
-            requests=self.requests, running=len(mgr._reqs), prompt_tokens=self.prompt_tokens,
+            requests=self.requests, running=running, prompt_tokens=self.prompt_tokens,
             hit_tokens=dict(self.hit_tokens), hit_requests=dict(self.hit_requests),
-            tiers={"gpu": _usage(mgr.gpu_pool, mgr.gpu_pool.num_used - private),
-                   "cpu": _usage(mgr.cpu_pool, mgr.cpu_pool.num_used)},
-            evictions=dict(self.evictions), dedup_blocks=self.dedup_blocks,
+            tiers={"gpu": TierUsage(core.gpu_blocks, gpu_used, core.gpu_free,
+                                    gpu_used - private_blocks),
+                   "cpu": TierUsage(core.cpu_blocks, cpu_used, core.cpu_free, cpu_used)},
+            evictions=counted["evictions"], dedup_blocks=counted["dedup_blocks"],
             no_free_blocks=self.no_free_blocks, transfers=transfers, workers=workers,
-            storage=dict(self.storage),
-            cached_nodes=mgr.tree.num_nodes)
-
-
-def _usage(pool, cached: int) -> TierUsage:
-    return TierUsage(total=pool.num_blocks, used=pool.num_used, free=pool.num_free,
-                     cached=cached)
+            storage=dict(self.storage), cached_nodes=core.num_nodes)

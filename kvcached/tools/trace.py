@@ -124,6 +124,9 @@ def trace_tokens(req: TraceRequest, index: int) -> list[int]:
     return toks[:req.input_length].tolist()
 
 
+IDEAL_NS = bytes(16)  # any fixed 16-byte namespace: only equality matters here
+
+
 class IdealCache:
     """Hits of an unbounded cache at kvcached's block size: the ceiling of any capacity."""
 
@@ -135,7 +138,7 @@ class IdealCache:
     def add(self, tokens: list[int]) -> None:
         """Count the cached prefix of ``tokens`` (as ``allocate`` would), then cache it."""
         from kvcached.core.hashing import block_hashes
-        hashes = block_hashes(b"ideal", tokens, self.block_size)
+        hashes = block_hashes(IDEAL_NS, tokens, self.block_size)
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
         n = 0
         while n < usable and hashes[n] in self.seen:

@@ -1,4 +1,6 @@
-"""Moving cached blocks up to the GPU (swap-in, storage load) and down to
+"""The reference fetches (tests only), a part of the reference ``CacheManager``.
+
+Moving cached blocks up to the GPU (swap-in, storage load) and down to
 storage (write-through), as a part of ``CacheManager``.
 
 Every move is a task; a node changes tier only when its task completed on
@@ -11,13 +13,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvcached.core.tree import CPU, GPU, STORAGE, SWAP_IN, Node
 from kvcached.errors import TransferFailed, WorkerLost
 from kvcached.transfer.base import Task, TaskResult
 from kvcached.types import HitInfo
+from reference.tree import CPU, GPU, STORAGE, SWAP_IN, Node
 
 if TYPE_CHECKING:
-    from kvcached.core.manager import _Request
+    from reference.manager import _Request
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""BlockTree: a radix tree over chained block hashes, with per-tier LRU leaves.
+"""The reference BlockTree (the Python loops the native core replaced; tests only).
+
+A radix tree over chained block hashes, with per-tier LRU leaves.
 
 A node is one cached full block; the path from the root to it is the prefix
 it was computed under (its hash already folds in that prefix). Children are
@@ -22,21 +24,15 @@ child holding a GPU block, a CPU leaf no child holding a CPU block. Each tier
 keeps its evictable leaves in a ``LeafLRU`` (a heap with lazy deletion): add,
 discard and pop are O(log n); nothing ever scans all leaves.
 
-``Node`` is the C type of ``cuda/tree_node.c`` when it builds (lazily, like
-the other native pieces): the same attributes as ``PyNode``, but invisible to
-the cyclic garbage collector, which otherwise walks every cached block on
-each full collection (0.9 s at 1M blocks). The tree therefore breaks its own
-parent/child cycles: ``remove`` empties what it unlinks, and a dropped
-``BlockTree`` unlinks every node. ``PyNode`` is the fallback, with a
-warning, when there is no compiler or ``KVCACHED_NO_NATIVE=1``.
+The tree breaks its own parent/child cycles (``remove`` empties what it
+unlinks, a dropped ``BlockTree`` unlinks every node), as the native core's
+nodes are not Python objects at all.
 """
 
 from __future__ import annotations
 
 import heapq
 from enum import IntEnum
-from pathlib import Path
-from types import ModuleType
 
 
 class Tier(IntEnum):
@@ -109,33 +105,7 @@ class PyNode:
                 f"ref={self.ref} t={self.last_access} d={self.depth})")
 
 
-def _native_module() -> tuple[ModuleType | None, str | None]:
-    """``(cuda/tree_node.c's module, None)``, or ``(None, why)`` for PyNode."""
-    from kvcached.copy import native_build
-    cuda = Path(__file__).resolve().parents[2] / "cuda"
-    sources = [cuda / f for f in ("tree_node.c", "leaf_lru.c", "block_pool.c", "tree_evict.c")]
-    mod, why = native_build.try_import_extension(
-        "kvcached._tree_node", sources, "kvc_tree_node", "native tree nodes",
-        headers=[cuda / "tree_node.h", cuda / "node_api.h"])
-    if mod is not None:
-        mod.set_default_state(Tier.STORAGE)
-        mod.set_states(Tier.GPU, Tier.SWAP_OUT, Tier.CPU, Tier.STORAGE)
-        from kvcached.core import hashing
-        hashing.register_node_api(mod.node_api)  # the memo walk reads these nodes directly
-    return mod, why
-
-
-_native, native_node_error = _native_module()
-Node = _native.Node if _native else PyNode  # what BlockTree builds; PyNode's attributes
-# CacheManager._match_ref's loop in C, for native nodes (None: the Python loop).
-native_match_ref = _native.match_ref if _native else None
-# EvictionMixin._unref_path's loop in C, for native nodes (None: the Python loop).
-native_unref_path = _native.unref_path if _native else None
-# CacheManager._insert's loop over new blocks in C, for native nodes (None: Python).
-native_insert_new = _native.insert_new if _native else None
-# EvictionMixin._evict_gpu's loop and _land_swap_out in C (None: Python).
-native_evict_gpu = _native.evict_gpu if _native else None
-native_land_swap_out = _native.land_swap_out if _native else None
+Node = PyNode
 
 
 class PyLeafLRU:
@@ -237,9 +207,7 @@ class PyLeafLRU:
         heapq.heapify(self._heap)
 
 
-# What BlockTree uses: the C LeafLRU (cuda/leaf_lru.c, the same contract, keys
-# compared unboxed) for native nodes, PyLeafLRU for PyNode.
-LeafLRU = _native.LeafLRU if _native else PyLeafLRU
+LeafLRU = PyLeafLRU
 
 
 # LRU key layout: last_access above 64 bits of (inverted depth, insertion
@@ -273,9 +241,7 @@ class BlockTree:
         self.gpu_lru = LeafLRU("gpu_key")
         self.cpu_lru = LeafLRU("cpu_key")
         self.num_nodes = 0
-        # Where hashing's memo walk starts: the root (native nodes answer
-        # memo_child), or None (PyNode: every block is hashed).
-        self.memo_root = self.root if hasattr(self.root, "memo_child") else None
+        self.memo_root = None  # the reference has no hash memo: every block is hashed
 
     def add_child(self, parent: Node, h: bytes, block_input: bytes | None = None,
                   key: int | None = None) -> Node:

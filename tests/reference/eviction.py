@@ -1,4 +1,5 @@
-"""Eviction and node bookkeeping, as a part of ``CacheManager``.
+"""The reference eviction and node bookkeeping (tests only), a part of the
+reference ``CacheManager``.
 
 GPU eviction takes least recently used GPU leaves: a leaf with a CPU backup
 just drops its GPU copy; otherwise, with a CPU tier, it is swapped out
@@ -16,23 +17,10 @@ from __future__ import annotations
 
 import logging
 
-from kvcached.core.fetch import task_error
-from kvcached.core.pool import BlockPool
-from kvcached.core.tree import (
-    CPU,
-    GPU,
-    STORAGE,
-    SWAP_IN,
-    SWAP_OUT,
-    LeafLRU,
-    Node,
-    Tier,
-    native_evict_gpu,
-    native_land_swap_out,
-    native_unref_path,
-)
 from kvcached.errors import TransferFailed
 from kvcached.transfer.base import Task
+from reference.fetch import task_error
+from reference.tree import CPU, GPU, STORAGE, SWAP_IN, SWAP_OUT, Node, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +56,7 @@ class EvictionMixin:
         freed = 0
         lru = self.tree.gpu_lru
         leaf = None  # the last victim's parent when it became a GPU leaf, not yet listed
-        fast = self._native_eviction()
         while freed < count:
-            if fast:  # the same steps in C, back here for a flush or an empty LRU
-                freed, leaf, status = self._evict_gpu_native(batch, copies, freed, count,
-                                                             leaf, swap)
-                if status == _FLUSH:
-                    self._swap_out(batch, copies)
-                    batch, copies = [], []
-                    continue
-                if freed >= count:
-                    break
             node, leaf = lru.push_pop(leaf), None
             if node is None:
                 # Idle blocks still being written through to storage: let them land.
@@ -107,29 +85,6 @@ class EvictionMixin:
             lru.add(leaf)
         if batch:
             self._swap_out(batch, copies)
-
-    def _native_eviction(self) -> bool:
-        """Whether eviction's loops run in C: native nodes, pools and LRUs, and no
-        KV events to publish per block (the Python loops are the reference)."""
-        return native_evict_gpu is not None and self._events is None and \
-            isinstance(self.tree.gpu_lru, LeafLRU) and isinstance(self.gpu_pool, BlockPool)
-
-    def _evict_gpu_native(self, batch: list[Node], copies: list[Node], freed: int, count: int,
-                          leaf: Node | None, swap: bool) -> tuple[int, Node | None, int]:
-        """``native_evict_gpu`` from the loop's state; what it did is counted even
-        when it stops on an error."""
-        tree, counts = self.tree, [0, 0, 0, 0]
-        try:
-            return native_evict_gpu(self, tree.gpu_lru, tree.cpu_lru, self.gpu_pool,
-                                    self.cpu_pool, counts, batch, copies, freed, count, leaf,
-                                    swap)
-        finally:
-            idle, gpu_dropped, cpu_dropped, removed = counts
-            self._n_gpu_idle += idle
-            tree.num_nodes -= removed
-            for key, n in (("gpu_dropped", gpu_dropped), ("cpu_dropped", cpu_dropped)):
-                if n:
-                    self._counters.evictions[key] += n
 
     def _swap_out(self, batch: list[Node], copies: list[Node]) -> None:
         """Move ``batch`` to the CPU tier, copying ``copies``; their GPU blocks are
@@ -175,11 +130,6 @@ class EvictionMixin:
     def _land_swap_out(self, batch: list[Node]) -> None:
         """Every rank holds ``batch`` in host blocks: SWAP_OUT -> CPU, GPU blocks freed
         (``_release_gpu(n, CPU)`` per node, with the LRU test inlined)."""
-        if self._native_eviction():
-            tree = self.tree
-            native_land_swap_out(self, tree.gpu_lru, tree.cpu_lru, self.gpu_pool, self.cpu_pool,
-                                 batch)
-            return
         cpu_lru, events = self.tree.cpu_lru, self._events
         free_one = self.gpu_pool.free_one
         for n in batch:
@@ -408,9 +358,6 @@ class EvictionMixin:
             tree.cpu_lru.size -= 1
 
 
-_FLUSH = 1  # native_evict_gpu's status: land this batch, then go on
-
-
 def unref_path_py(nodes: list[Node], clock: int, GPU: Tier) -> tuple[int, list[Node]]:
     """``EvictionMixin._unref_path``'s loop in Python: the reference, and what runs
     for PyNode (``tree.native_unref_path`` is the same in C). Deepest first,
@@ -435,7 +382,7 @@ def unref_path_py(nodes: list[Node], clock: int, GPU: Tier) -> tuple[int, list[N
     return idle, changed
 
 
-_UNREF_PATH = native_unref_path or unref_path_py
+_UNREF_PATH = unref_path_py
 
 
 def _new_gpu_leaf(parent: Node) -> bool:

@@ -1,4 +1,4 @@
-"""BlockPool: the free list of one tier's block ids.
+"""The reference BlockPool (tests only): the free list of one tier's block ids.
 
 O(1) allocate and free. A double free (or freeing an id out of range) raises:
 it always means two owners think they hold the same block, which would later
@@ -80,12 +80,4 @@ class PyBlockPool:
         return list(self._free)
 
 
-def _native_pool() -> type | None:
-    from kvcached.core.tree import _native
-    return _native.BlockPool if _native else None
-
-
-# What the manager uses: the C pool of cuda/block_pool.c (the same contract;
-# native eviction takes and frees blocks in it without a Python call) where
-# the native tree builds, else PyBlockPool.
-BlockPool = _native_pool() or PyBlockPool
+BlockPool = PyBlockPool

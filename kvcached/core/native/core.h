@@ -1,0 +1,205 @@
+/* The cache core's data: nodes of the prefix tree, the two block pools, the
+ * two tiers' evictable-leaf heaps and the indexes that find a node by its
+ * block hash or by its hash-memo record. Plain C integers throughout; no
+ * Python object per node, so the garbage collector never sees the tree.
+ *
+ * A node is an index into one growable array (`core.nodes`): never keep a
+ * node_t pointer across a call that may add a node (node_new reallocates).
+ * Index 0 is the root, a sentinel that "holds" every tier and is never
+ * evicted.
+ *
+ * Files: table.c (nodes, indexes), pool.c, lru.c (heaps), hashing.c (chained
+ * hashes and the memo), ops.c (every state transition), module.c (the
+ * Python types). The transitions follow tests/reference/manager.py line by
+ * line; the differential tests hold the two to the same results. */
+#ifndef KVC_CORE_H
+#define KVC_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define HASH_LEN 16
+#define NIL (-1)
+#define ROOT 0
+
+/* Tier states (kvcached.core.types.Tier has the same numbers). */
+enum { S_GPU = 0, S_SWAP_OUT = 1, S_CPU = 2, S_SWAP_IN = 3, S_STORAGE = 4 };
+/* The two local tiers, as indexes of core.pools / core.lru / node.heap_pos. */
+enum { T_GPU = 0, T_CPU = 1 };
+
+typedef struct {
+    uint8_t hash[HASH_LEN];
+    int32_t parent;
+    /* children in insertion order (a doubly linked sibling list): subtree
+     * walks visit them in the order the reference's dicts do */
+    int32_t first_child, last_child, next_sib, prev_sib;
+    int32_t gpu, cpu;  /* block ids, NIL when the node holds no copy there */
+    int32_t ref;       /* live requests whose path holds the node */
+    int32_t busy;      /* write-through tasks reading its blocks */
+    int32_t depth;
+    int32_t n_children;
+    int32_t n_gpu_children; /* children in GPU or SWAP_IN */
+    int32_t n_cpu_children; /* children holding a CPU block */
+    int32_t heap_pos[2];    /* place in each tier's leaf heap, NIL when not listed */
+    uint8_t state;
+    uint8_t in_storage;
+    uint8_t live;           /* 0: on the free list of node slots */
+    uint64_t last_access;
+    /* hash memo: the exact input this node's hash was computed from, less
+     * the parent's hash (see hashing.c); NULL when it has none */
+    uint8_t *record;
+    uint32_t record_len;
+    uint64_t content_key;   /* fast key of the record */
+} node_t;
+
+/* An open-addressing table of node indexes (linear probing, deletion by
+ * backward shift, so no tombstones). The key of an entry is derived from
+ * its node (see table.c), so a slot holds just the index. */
+typedef struct {
+    int32_t *slots;
+    uint32_t mask;
+    uint32_t count;
+    int by_memo; /* 0: keyed by node hash; 1: by memo key (content key x parent) */
+} index_t;
+
+/* Free block ids of one tier: a ring in FIFO order (allocation takes the
+ * oldest freed id; a rollback puts ids back at the head) and a bitmap that
+ * refuses double frees. */
+typedef struct {
+    int32_t num_blocks;
+    int32_t *ring;
+    int32_t head, count;
+    uint8_t *is_free;
+} pool_t;
+
+/* One heap entry: the key (last_access, then inverted depth and insertion
+ * order packed in lo: deeper and older go first) and the node. */
+typedef struct {
+    uint64_t hi, lo;
+    int32_t node;
+} heap_entry;
+
+/* The evictable leaves of one tier, a binary min-heap whose nodes know their
+ * position: add, remove and pop are O(log n) and the order is the key's. */
+typedef struct {
+    heap_entry *a;
+    int32_t size, cap;
+    uint64_t seq;
+    int tier;
+} leafheap_t;
+
+/* Eviction counters, in the order of EVICTION_NAMES (module.c). */
+enum { EV_GPU_DROPPED, EV_CPU_DROPPED, EV_GPU_TO_CPU, EV_GPU_TO_CPU_BACKUP, EV_COUNT };
+
+/* KV events: a block became usable in, or left, a tier. */
+typedef struct {
+    uint8_t stored; /* 1 stored, 0 removed */
+    uint8_t tier;   /* 0 gpu, 1 cpu, 2 storage */
+    uint8_t hash[HASH_LEN];
+} event_t;
+
+typedef struct {
+    node_t *nodes;
+    int32_t n_slots, cap;   /* slots in use (live or free) and allocated */
+    int32_t *free_nodes;    /* a stack of free slots (room for cap) */
+    int32_t n_free_nodes;
+    int32_t num_nodes;      /* live nodes, the root excluded */
+    index_t by_hash, by_memo;
+    pool_t pools[2];
+    leafheap_t lru[2];
+    uint64_t clock;
+    int32_t n_gpu_idle;     /* nodes in state GPU with ref 0 */
+    int32_t block_size;
+    int memo;               /* remember hash inputs (hash_memo) */
+    int64_t evictions[EV_COUNT];
+    int64_t dedup_blocks;
+    int64_t memo_hits;      /* blocks whose hash the memo supplied */
+    int64_t blocks_hashed;  /* blocks hashed with BLAKE2b */
+    /* the swap-out batch of the eviction in progress */
+    int32_t *batch, *batch_copy; /* nodes, and whether each needs a copy */
+    int32_t n_batch, batch_cap;
+    int32_t carry_leaf;     /* a victim's parent that became a leaf, not yet listed */
+    /* events, when enabled */
+    int events_on;
+    event_t *events;
+    int32_t n_events, events_cap;
+} core_t;
+
+#define N(c, i) (&(c)->nodes[(i)])
+
+/* One request's view of the tree: its block hashes (and, for blocks the
+ * memo did not know, their records, handed to the nodes commit creates),
+ * the path of nodes it references, and what its last match took off the
+ * leaf heaps (for an exact undo). Owned by a Python Request object. */
+typedef struct {
+    uint8_t ns[HASH_LEN];
+    uint8_t *extra;
+    size_t extra_len;
+    uint8_t *hashes;          /* n_hashes x HASH_LEN */
+    uint64_t *keys;           /* content key of each block's record */
+    uint8_t **records;        /* NULL where the memo knew the block */
+    uint32_t *record_lens;
+    int32_t n_hashes, hash_cap;
+    int32_t *path;
+    int32_t n_path, path_cap;
+    int chain_open;           /* 0 once a computed block could not join the tree */
+    heap_entry unlisted[2];   /* match's unlisted GPU and CPU leaf (node NIL: none) */
+} request_t;
+
+/* table.c */
+int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo);
+void core_free(core_t *c);
+int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]); /* NIL: no memory */
+void node_release(core_t *c, int32_t i);    /* unlink from parent and indexes, free the slot */
+int32_t child_by_hash(const core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]);
+int32_t find_by_hash(const core_t *c, const uint8_t hash[HASH_LEN]);
+int index_add(core_t *c, index_t *t, int32_t node);   /* -1: no memory */
+void index_remove(core_t *c, index_t *t, int32_t node);
+int32_t memo_find(const core_t *c, int32_t parent, uint64_t content_key, const uint8_t *record,
+                  uint32_t record_len);
+uint64_t memo_slot_key(uint64_t content_key, int32_t parent);
+
+/* pool.c */
+int pool_init(pool_t *p, int32_t n);
+void pool_free_all(pool_t *p);
+int32_t pool_take(pool_t *p);                          /* NIL when empty */
+void pool_put(pool_t *p, int32_t id);                  /* at the tail; the caller checked */
+void pool_put_front(pool_t *p, const int32_t *ids, int32_t n);
+int pool_check_free(pool_t *p, const int32_t *ids, int32_t n); /* index of a bad id, or -1 */
+
+/* ops.c: the transitions; see ops.c for each. -1: out of memory (Python
+ * raises MemoryError), -2: a bad argument described by *err. */
+enum { EVICT_DONE = 0, EVICT_FLUSH = 1, EVICT_EMPTY = 2 };
+int core_match(core_t *c, request_t *r, int32_t limit, int32_t *n_gpu, int32_t *gpu_ids);
+int core_undo_match(core_t *c, request_t *r);
+void core_unref_path(core_t *c, request_t *r);
+int core_evict(core_t *c, int32_t count, int swap, int32_t *freed);
+void core_land_swap_out(core_t *c);
+void core_rollback_swap_out(core_t *c);
+void core_plan_swap_in(core_t *c, request_t *r, int32_t start, int32_t count,
+                       const int32_t *gpu_ids, int32_t *cpu_ids);
+int32_t core_take_cpu_blocks(core_t *c, int32_t n, int32_t *out);
+int32_t core_plan_load(core_t *c, request_t *r, int32_t start, int32_t n, const int32_t *gpu_ids,
+                       int32_t *nodes, int32_t *cpus, int32_t *got);
+int32_t core_finish_fetch(core_t *c, request_t *r, int32_t start, const int32_t *nodes,
+                          int32_t count, int32_t ok, int is_load, int missing);
+int core_insert(core_t *c, request_t *r, int32_t *blocks, int32_t full, const char **err);
+int32_t core_plan_store(core_t *c, request_t *r, int32_t start, int32_t *nodes, int32_t *cpus);
+void core_finish_store(core_t *c, const int32_t *nodes, int32_t n, const uint8_t *stored,
+                       int ok);
+void core_drop_gpu_tier(core_t *c);
+void core_drop_cpu_tier(core_t *c);
+void core_forget_storage(core_t *c);
+int core_free_blocks(core_t *c, int tier, const int32_t *ids, int32_t n, int front);
+
+/* lru.c */
+int heap_init(leafheap_t *h, int tier);
+void heap_free_all(leafheap_t *h);
+int heap_add(core_t *c, leafheap_t *h, int32_t node);  /* insert or re-key; -1: no memory */
+int heap_insert_key(core_t *c, leafheap_t *h, int32_t node, uint64_t hi, uint64_t lo);
+void heap_remove(core_t *c, leafheap_t *h, int32_t node);
+int32_t heap_pop(core_t *c, leafheap_t *h);            /* NIL when empty */
+int heap_peek_key(const leafheap_t *h, uint64_t *hi, uint64_t *lo); /* 0 when empty */
+void heap_key_of(core_t *c, leafheap_t *h, int32_t node, uint64_t *hi, uint64_t *lo);
+
+#endif /* KVC_CORE_H */

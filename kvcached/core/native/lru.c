@@ -1,0 +1,140 @@
+/* The evictable leaves of one tier, least recently used first: a binary
+ * min-heap whose nodes record their position (node.heap_pos[tier]), so
+ * listing, unlisting, re-keying and popping are all O(log n) and no stale
+ * entry is ever kept. Nothing scans the leaves.
+ *
+ * Key: (last_access, inverted depth, insertion order), packed as two words:
+ * older first; on a tie the deeper node first (a chain's tail goes before
+ * its head); then the earlier listed. Depth saturates at 2^24 - 1 and the
+ * insertion order wraps at 2^40: either would only reorder ties. */
+#include "core.h"
+
+#include <stdlib.h>
+
+#define DEPTH_BITS 24
+#define SEQ_BITS 40
+#define DEPTH_MAX ((1ULL << DEPTH_BITS) - 1)
+#define SEQ_MASK ((1ULL << SEQ_BITS) - 1)
+
+int heap_init(leafheap_t *h, int tier) {
+    h->cap = 256;
+    h->size = 0;
+    h->seq = 0;
+    h->tier = tier;
+    h->a = malloc(sizeof(heap_entry) * (size_t)h->cap);
+    return h->a == NULL ? -1 : 0;
+}
+
+void heap_free_all(leafheap_t *h) {
+    free(h->a);
+    h->a = NULL;
+    h->size = h->cap = 0;
+}
+
+static inline int less(const heap_entry *x, const heap_entry *y) {
+    return x->hi < y->hi || (x->hi == y->hi && x->lo < y->lo);
+}
+
+static inline void place(core_t *c, leafheap_t *h, int32_t pos, heap_entry e) {
+    h->a[pos] = e;
+    N(c, e.node)->heap_pos[h->tier] = pos;
+}
+
+static void sift_up(core_t *c, leafheap_t *h, int32_t pos) {
+    heap_entry e = h->a[pos];
+    while (pos > 0) {
+        int32_t up = (pos - 1) / 2;
+        if (!less(&e, &h->a[up])) break;
+        place(c, h, pos, h->a[up]);
+        pos = up;
+    }
+    place(c, h, pos, e);
+}
+
+static void sift_down(core_t *c, leafheap_t *h, int32_t pos) {
+    heap_entry e = h->a[pos];
+    for (;;) {
+        int32_t child = 2 * pos + 1;
+        if (child >= h->size) break;
+        if (child + 1 < h->size && less(&h->a[child + 1], &h->a[child])) child++;
+        if (!less(&h->a[child], &e)) break;
+        place(c, h, pos, h->a[child]);
+        pos = child;
+    }
+    place(c, h, pos, e);
+}
+
+/* The key `node` would be listed with now (consumes one insertion number). */
+void heap_key_of(core_t *c, leafheap_t *h, int32_t node, uint64_t *hi, uint64_t *lo) {
+    const node_t *n = N(c, node);
+    uint64_t depth = (uint64_t)n->depth;
+    uint64_t inv = depth < DEPTH_MAX ? DEPTH_MAX - depth : 0;
+    h->seq++;
+    *hi = n->last_access;
+    *lo = (inv << SEQ_BITS) | (h->seq & SEQ_MASK);
+}
+
+/* List `node` with exactly this key (new entries, and undoing a removal). */
+int heap_insert_key(core_t *c, leafheap_t *h, int32_t node, uint64_t hi, uint64_t lo) {
+    if (h->size == h->cap) {
+        heap_entry *grown = realloc(h->a, sizeof(heap_entry) * (size_t)h->cap * 2);
+        if (grown == NULL) return -1;
+        h->a = grown;
+        h->cap *= 2;
+    }
+    heap_entry e = {hi, lo, node};
+    place(c, h, h->size++, e);
+    sift_up(c, h, h->size - 1);
+    return 0;
+}
+
+/* List `node`, or re-key it when its last access changed since it was
+ * listed (an unchanged one keeps its place). */
+int heap_add(core_t *c, leafheap_t *h, int32_t node) {
+    int32_t pos = N(c, node)->heap_pos[h->tier];
+    uint64_t hi, lo;
+    if (pos != NIL) {
+        if (h->a[pos].hi == N(c, node)->last_access) return 0;
+        heap_key_of(c, h, node, &hi, &lo);
+        int up = hi < h->a[pos].hi || (hi == h->a[pos].hi && lo < h->a[pos].lo);
+        h->a[pos].hi = hi;
+        h->a[pos].lo = lo;
+        if (up) {
+            sift_up(c, h, pos);
+        } else {
+            sift_down(c, h, pos);
+        }
+        return 0;
+    }
+    heap_key_of(c, h, node, &hi, &lo);
+    return heap_insert_key(c, h, node, hi, lo);
+}
+
+void heap_remove(core_t *c, leafheap_t *h, int32_t node) {
+    int32_t pos = N(c, node)->heap_pos[h->tier];
+    if (pos == NIL) return;
+    N(c, node)->heap_pos[h->tier] = NIL;
+    h->size--;
+    if (pos == h->size) return;
+    heap_entry last = h->a[h->size];
+    place(c, h, pos, last);
+    if (pos > 0 && less(&last, &h->a[(pos - 1) / 2])) {
+        sift_up(c, h, pos);
+    } else {
+        sift_down(c, h, pos);
+    }
+}
+
+int32_t heap_pop(core_t *c, leafheap_t *h) {
+    if (h->size == 0) return NIL;
+    int32_t node = h->a[0].node;
+    heap_remove(c, h, node);
+    return node;
+}
+
+int heap_peek_key(const leafheap_t *h, uint64_t *hi, uint64_t *lo) {
+    if (h->size == 0) return 0;
+    *hi = h->a[0].hi;
+    *lo = h->a[0].lo;
+    return 1;
+}

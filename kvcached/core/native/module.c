@@ -1,0 +1,1269 @@
+/* kvcached.core._core: the cache core as two Python types.
+ *
+ *   Core     the tree, pools and leaf heaps of one manager; every method is
+ *            one transition of ops.c, taking and returning plain ints,
+ *            lists and bytes (plans the manager turns into transfer tasks)
+ *   Request  one request's block hashes and path (made by Core.request)
+ *
+ * Public, limited C API only (built as abi3 for CPython >= 3.11): heap
+ * types, multi-phase init, per-module state. The caller (the manager) holds
+ * one lock around every call, which is also what lets the module run
+ * without the GIL on free-threaded builds.
+ *
+ * Tokens are read once per call, as the engine gives them: a list or tuple
+ * of ints (PyLong_AsLongLong per item), or any C-contiguous integer buffer
+ * (numpy, array: copied at memcpy speed). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "hashing.h"
+
+typedef struct {
+    PyTypeObject *core_type, *request_type;
+} module_state;
+
+typedef struct {
+    PyObject_HEAD
+    core_t c;
+} CoreObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *core; /* the Core whose nodes the path names (kept alive) */
+    request_t r;
+} RequestObject;
+
+static const char *EVICTION_NAMES[EV_COUNT] = {"gpu_dropped", "cpu_dropped", "gpu_to_cpu",
+                                               "gpu_to_cpu_backup"};
+static const char *TIER_NAMES[2] = {"gpu", "cpu"};
+
+static module_state *state_of(PyObject *self) {
+    return (module_state *)PyType_GetModuleState(Py_TYPE(self));
+}
+
+/* ---------------------------------------------------------------- helpers */
+
+static int as_i32(PyObject *o, const char *what, int32_t *out) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_OverflowError, "%s %ld is out of range", what, v);
+        return -1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+/* A list of ints as a malloc'd int32 array (*n set); NULL with an exception. */
+static int32_t *ints_of(PyObject *list, const char *what, Py_ssize_t *n) {
+    if (!PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list of ints", what);
+        return NULL;
+    }
+    *n = PyList_Size(list);
+    int32_t *out = malloc(sizeof(int32_t) * (size_t)(*n ? *n : 1));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < *n; k++) {
+        if (as_i32(PyList_GetItem(list, k), what, &out[k]) < 0) {
+            free(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+static PyObject *list_of(const int32_t *v, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *x = PyLong_FromLong(v[k]);
+        if (x == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SetItem(out, k, x);
+    }
+    return out;
+}
+
+static PyObject *hash_list(const uint8_t *hashes, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *h = PyBytes_FromStringAndSize((const char *)hashes + k * HASH_LEN, HASH_LEN);
+        if (h == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SetItem(out, k, h);
+    }
+    return out;
+}
+
+/* Node ids handed back by a plan: live nodes of this core, or ValueError. */
+static int check_nodes(const core_t *c, const int32_t *nodes, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (nodes[k] <= ROOT || nodes[k] >= c->n_slots || !c->nodes[nodes[k]].live) {
+            PyErr_Format(PyExc_ValueError, "node %d is not a live node of this cache",
+                         (int)nodes[k]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int bytes_arg(PyObject *o, const char *what, const uint8_t **p, Py_ssize_t *n) {
+    char *s;
+    if (!PyBytes_Check(o) || PyBytes_AsStringAndSize(o, &s, n) < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s must be bytes", what);
+        return -1;
+    }
+    *p = (const uint8_t *)s;
+    return 0;
+}
+
+/* ----------------------------------------------------------------- tokens */
+
+/* Tokens [lo, hi) of a list, tuple or integer buffer as int64, at out. */
+static int read_tokens(PyObject *tokens, Py_ssize_t lo, Py_ssize_t hi, int64_t *out) {
+    int is_list = PyList_Check(tokens);
+    if (is_list || PyTuple_Check(tokens)) {
+        Py_ssize_t size = is_list ? PyList_Size(tokens) : PyTuple_Size(tokens);
+        if (hi > size) {
+            PyErr_SetString(PyExc_ValueError, "tokens changed size while being read");
+            return -1;
+        }
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            PyObject *item = is_list ? PyList_GetItem(tokens, i) : PyTuple_GetItem(tokens, i);
+            long long v = PyLong_AsLongLong(item);
+            if (v == -1 && PyErr_Occurred()) {
+                if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    PyErr_Clear();
+                    PyObject *name = PyType_GetName(Py_TYPE(item));
+                    PyErr_Format(PyExc_TypeError, "token %zd is a %S, not an int", i, name);
+                    Py_XDECREF(name);
+                } else if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_OverflowError, "token %zd is outside int64", i);
+                }
+                return -1;
+            }
+            out[i - lo] = (int64_t)v;
+        }
+        return 0;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "tokens must be a list or tuple of ints or an integer array, not %S",
+                     (PyObject *)Py_TYPE(tokens));
+        return -1;
+    }
+    const char *f = view.format ? view.format : "B";
+    if (*f == '<' || *f == '@' || *f == '=') f++;
+    char kind = f[0] != '\0' && f[1] == '\0' ? f[0] : '?';
+    Py_ssize_t size = view.itemsize, n = view.len / (size ? size : 1);
+    int ok = strchr("bhilqBHI", kind) != NULL || (kind == 'L' && size == 4);
+    if (!ok || view.ndim > 1) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_TypeError, "tokens must be a 1-d buffer of signed ints (or unsigned of "
+                                      "at most 32 bits), got format %s", view.format ? view.format : "B");
+        return -1;
+    }
+    if (hi > n) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "tokens changed size while being read");
+        return -1;
+    }
+    const char *p = (const char *)view.buf;
+    int is_signed = kind >= 'a';
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const char *x = p + i * size;
+        int64_t v;
+        if (size == 8) {
+            memcpy(&v, x, 8);
+        } else if (size == 4) {
+            int32_t s;
+            memcpy(&s, x, 4);
+            v = is_signed ? s : (int64_t)(uint32_t)s;
+        } else if (size == 2) {
+            int16_t s;
+            memcpy(&s, x, 2);
+            v = is_signed ? s : (int64_t)(uint16_t)s;
+        } else {
+            v = is_signed ? (int64_t)(signed char)*x : (int64_t)(unsigned char)*x;
+        }
+        out[i - lo] = v;
+    }
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* How many tokens; for a buffer, also that it is 1-d and of integers. */
+static Py_ssize_t token_count(PyObject *tokens) {
+    if (PyList_Check(tokens)) return PyList_Size(tokens);
+    if (PyTuple_Check(tokens)) return PyTuple_Size(tokens);
+    Py_buffer view;
+    if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "tokens must be a list or tuple of ints or an integer array, not %S",
+                     (PyObject *)Py_TYPE(tokens));
+        return -1;
+    }
+    Py_ssize_t n = view.itemsize ? view.len / view.itemsize : 0;
+    int ndim = view.ndim;
+    PyBuffer_Release(&view);
+    if (ndim > 1) {
+        PyErr_Format(PyExc_TypeError, "tokens must be a 1-d array, got %d dimensions", ndim);
+        return -1;
+    }
+    return n;
+}
+
+/* ------------------------------------------------------------- requests */
+
+static void request_clear(request_t *r) {
+    if (r->records != NULL) {
+        for (int32_t k = 0; k < r->n_hashes; k++) free(r->records[k]);
+    }
+    free(r->records);
+    free(r->record_lens);
+    free(r->keys);
+    free(r->hashes);
+    free(r->path);
+    free(r->extra);
+    memset(r, 0, sizeof *r);
+}
+
+static int request_reserve(request_t *r, int32_t n, int memo) {
+    if (r->hash_cap >= n) return 0;
+    int32_t cap = r->hash_cap ? r->hash_cap : 8;
+    while (cap < n) cap *= 2;
+    uint8_t *h = realloc(r->hashes, (size_t)cap * HASH_LEN);
+    if (h == NULL) return -1;
+    r->hashes = h;
+    if (memo) {
+        uint64_t *k = realloc(r->keys, sizeof(uint64_t) * (size_t)cap);
+        if (k == NULL) return -1;
+        r->keys = k;
+        uint8_t **rec = realloc(r->records, sizeof(uint8_t *) * (size_t)cap);
+        if (rec == NULL) return -1;
+        r->records = rec;
+        uint32_t *len = realloc(r->record_lens, sizeof(uint32_t) * (size_t)cap);
+        if (len == NULL) return -1;
+        r->record_lens = len;
+        for (int32_t k2 = r->hash_cap; k2 < cap; k2++) r->records[k2] = NULL;
+    }
+    r->hash_cap = cap;
+    return 0;
+}
+
+/* Hash blocks [r->n_hashes, stop) of ids (ids[0] is the first token of block
+ * r->n_hashes). With walk, the memo walk: each block's record is looked up
+ * among the children of the node the previous block matched; a hit takes
+ * the node's hash, a miss runs BLAKE2b (and the walk continues only where a
+ * node with that hash exists). Records are kept for blocks the memo did not
+ * know (new nodes take them). */
+static int hash_blocks(core_t *c, request_t *r, const int64_t *ids, int32_t stop, int walk) {
+    int32_t bs = c->block_size, first = r->n_hashes;
+    if (request_reserve(r, stop, c->memo) < 0) return -1;
+    size_t room = record_room(r->extra_len, bs);
+    uint8_t *rec = malloc(room);
+    if (rec == NULL) return -1;
+    int32_t node = walk ? ROOT : NIL;
+    for (int32_t b = first; b < stop; b++) {
+        const int64_t *blk = ids + (size_t)(b - first) * (size_t)bs;
+        const uint8_t *parent_hash = b ? r->hashes + (size_t)(b - 1) * HASH_LEN : r->ns;
+        uint8_t *out = r->hashes + (size_t)b * HASH_LEN;
+        int32_t hit = NIL;
+        uint32_t len = 0;
+        uint64_t key = 0;
+        if (c->memo) {
+            len = make_record(rec, b == 0 ? r->ns : NULL, r->extra, r->extra_len, blk, bs);
+            key = record_key(rec, len);
+            if (node != NIL) hit = memo_find(c, node, key, rec, len);
+        }
+        if (hit != NIL) {
+            memcpy(out, N(c, hit)->hash, HASH_LEN);
+            c->memo_hits++;
+        } else {
+            hash_block(parent_hash, r->extra, r->extra_len, blk, bs, out);
+            c->blocks_hashed++;
+            if (c->memo) {
+                r->records[b] = malloc(len);
+                if (r->records[b] != NULL) {
+                    memcpy(r->records[b], rec, len);
+                    r->record_lens[b] = len;
+                }
+            }
+            if (node != NIL) hit = child_by_hash(c, node, out);
+        }
+        if (c->memo) r->keys[b] = key;
+        node = hit;
+        r->n_hashes = b + 1;
+    }
+    free(rec);
+    return 0;
+}
+
+/* ------------------------------------------------------------------- Core */
+
+static void core_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    core_free(&((CoreObject *)self)->c);
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"gpu_blocks", "cpu_blocks", "block_size", "memo", NULL};
+    int gpu, cpu, bs, memo = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii|p", kw, &gpu, &cpu, &bs, &memo)) return NULL;
+    if (gpu < 0 || cpu < 0 || bs <= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "gpu_blocks and cpu_blocks must be >= 0 and block_size > 0, got %d, %d, %d",
+                     gpu, cpu, bs);
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    CoreObject *self = (CoreObject *)alloc(type, 0);
+    if (self == NULL) return NULL;
+    if (core_init(&self->c, gpu, cpu, bs, memo) < 0) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    /* a swap-out batch never exceeds the GPU pool */
+    int32_t cap = gpu > 64 ? gpu : 64;
+    int32_t *b = realloc(self->c.batch, sizeof(int32_t) * (size_t)cap);
+    int32_t *bc = b ? realloc(self->c.batch_copy, sizeof(int32_t) * (size_t)cap) : NULL;
+    if (b) self->c.batch = b;
+    if (bc == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    self->c.batch_copy = bc;
+    self->c.batch_cap = cap;
+    return (PyObject *)self;
+}
+
+#define CORE(self) (&((CoreObject *)(self))->c)
+
+static request_t *request_arg(PyObject *self, PyObject *o) {
+    module_state *st = state_of(self);
+    if (!PyObject_TypeCheck(o, st->request_type)) {
+        PyErr_SetString(PyExc_TypeError, "expected a Request made by Core.request");
+        return NULL;
+    }
+    RequestObject *r = (RequestObject *)o;
+    if (r->core != self) {
+        PyErr_SetString(PyExc_ValueError, "the Request belongs to another Core");
+        return NULL;
+    }
+    return &r->r;
+}
+
+static PyObject *new_request(PyObject *self, const uint8_t *ns, const uint8_t *extra,
+                             Py_ssize_t extra_len) {
+    module_state *st = state_of(self);
+    allocfunc alloc = (allocfunc)PyType_GetSlot(st->request_type, Py_tp_alloc);
+    RequestObject *req = (RequestObject *)alloc(st->request_type, 0);
+    if (req == NULL) return NULL;
+    memset(&req->r, 0, sizeof req->r);
+    req->core = Py_NewRef(self);
+    req->r.chain_open = 1;
+    req->r.unlisted[0].node = req->r.unlisted[1].node = NIL;
+    if (ns != NULL) memcpy(req->r.ns, ns, HASH_LEN);
+    req->r.extra = malloc(extra_len ? (size_t)extra_len : 1);
+    if (req->r.extra == NULL) {
+        Py_DECREF(req);
+        return PyErr_NoMemory();
+    }
+    memcpy(req->r.extra, extra, (size_t)extra_len);
+    req->r.extra_len = (size_t)extra_len;
+    return (PyObject *)req;
+}
+
+/* Hash tokens' blocks [r->n_hashes, stop) into r (walk: the memo walk). */
+static int hash_tokens(core_t *c, request_t *r, PyObject *tokens, int32_t stop, int walk) {
+    int32_t bs = c->block_size, first = r->n_hashes;
+    if (stop <= first) return 0;
+    Py_ssize_t n = (Py_ssize_t)(stop - first) * bs;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)n);
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (read_tokens(tokens, (Py_ssize_t)first * bs, (Py_ssize_t)stop * bs, ids) < 0) {
+        free(ids);
+        return -1;
+    }
+    int rc = hash_blocks(c, r, ids, stop, walk);
+    free(ids);
+    if (rc < 0) PyErr_NoMemory();
+    return rc;
+}
+
+static PyObject *Core_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "request(namespace, tokens, extra)");
+        return NULL;
+    }
+    const uint8_t *ns, *extra;
+    Py_ssize_t ns_len, extra_len;
+    if (bytes_arg(args[0], "namespace", &ns, &ns_len) < 0 ||
+        bytes_arg(args[2], "extra", &extra, &extra_len) < 0)
+        return NULL;
+    if (ns_len != HASH_LEN) {
+        PyErr_Format(PyExc_ValueError, "namespace must be %d bytes, got %zd", HASH_LEN, ns_len);
+        return NULL;
+    }
+    Py_ssize_t n = token_count(args[1]);
+    if (n < 0) return NULL;
+    PyObject *req = new_request(self, ns, extra, extra_len);
+    if (req == NULL) return NULL;
+    core_t *c = CORE(self);
+    if (hash_tokens(c, &((RequestObject *)req)->r, args[1], (int32_t)(n / c->block_size), 1) < 0) {
+        Py_DECREF(req);
+        return NULL;
+    }
+    return req;
+}
+
+static PyObject *Core_extend_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t full;
+    request_t *r;
+    if (nargs != 3 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[2], "full", &full) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "extend_hashes(req, tokens, full)");
+        return NULL;
+    }
+    Py_ssize_t n = token_count(args[1]);
+    if (n < 0) return NULL;
+    if ((Py_ssize_t)full * CORE(self)->block_size > n) {
+        PyErr_Format(PyExc_ValueError, "%d full blocks need %zd tokens, got %zd", full,
+                     (Py_ssize_t)full * CORE(self)->block_size, n);
+        return NULL;
+    }
+    if (hash_tokens(CORE(self), r, args[1], full, 0) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t limit, n_gpu;
+    request_t *r;
+    if (nargs != 2 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "limit", &limit) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "match(req, limit)");
+        return NULL;
+    }
+    if (r->n_path) {
+        PyErr_SetString(PyExc_RuntimeError, "the request already holds its path");
+        return NULL;
+    }
+    int32_t room = limit < r->n_hashes ? limit : r->n_hashes;
+    int32_t *gpu_ids = malloc(sizeof(int32_t) * (size_t)(room > 0 ? room : 1));
+    if (gpu_ids == NULL || core_match(CORE(self), r, limit < 0 ? 0 : limit, &n_gpu, gpu_ids) < 0) {
+        free(gpu_ids);
+        return PyErr_NoMemory();
+    }
+    PyObject *ids = list_of(gpu_ids, n_gpu);
+    free(gpu_ids);
+    if (ids == NULL) return NULL;
+    return Py_BuildValue("iiN", n_gpu, r->n_path, ids);
+}
+
+#define REQ_METHOD(name, call)                                                 \
+    static PyObject *Core_##name(PyObject *self, PyObject *arg) {             \
+        request_t *r = request_arg(self, arg);                                \
+        if (r == NULL) return NULL;                                           \
+        call(CORE(self), r);                                                  \
+        Py_RETURN_NONE;                                                       \
+    }
+REQ_METHOD(undo_match, core_undo_match)
+REQ_METHOD(unref_path, core_unref_path)
+
+static PyObject *Core_tick(PyObject *self, PyObject *unused) {
+    CORE(self)->clock++;
+    Py_RETURN_NONE;
+}
+
+static int tier_arg(PyObject *o, int *tier) {
+    long t = PyLong_AsLong(o);
+    if (t == -1 && PyErr_Occurred()) return -1;
+    if (t != T_GPU && t != T_CPU) {
+        PyErr_Format(PyExc_ValueError, "tier must be 0 (gpu) or 1 (cpu), got %ld", t);
+        return -1;
+    }
+    *tier = (int)t;
+    return 0;
+}
+
+static PyObject *Core_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int tier;
+    int32_t n;
+    if (nargs != 2 || tier_arg(args[0], &tier) < 0 || as_i32(args[1], "n", &n) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "alloc(tier, n)");
+        return NULL;
+    }
+    pool_t *p = &CORE(self)->pools[tier];
+    if (n < 0 || n > p->count) {
+        PyErr_Format(PyExc_ValueError, "%s pool: asked for %d blocks, %d free", TIER_NAMES[tier],
+                     (int)n, (int)p->count);
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (int32_t k = 0; k < n; k++) PyList_SetItem(out, k, PyLong_FromLong(pool_take(p)));
+    return out;
+}
+
+static PyObject *Core_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int tier, front = 0;
+    if (nargs < 2 || nargs > 3 || tier_arg(args[0], &tier) < 0 ||
+        (nargs == 3 && (front = PyObject_IsTrue(args[2])) < 0)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "free(tier, ids, front=False)");
+        return NULL;
+    }
+    Py_ssize_t n;
+    int32_t *ids = ints_of(args[1], "block ids", &n);
+    if (ids == NULL) return NULL;
+    pool_t *p = &CORE(self)->pools[tier];
+    int bad = core_free_blocks(CORE(self), tier, ids, (int32_t)n, front);
+    if (bad >= 0) {
+        int32_t id = ids[bad];
+        if (id < 0 || id >= p->num_blocks) {
+            PyErr_Format(PyExc_ValueError, "%s pool: block id %d out of range 0..%d",
+                         TIER_NAMES[tier], (int)id, (int)p->num_blocks - 1);
+        } else {
+            PyErr_Format(PyExc_ValueError, "%s pool: double free of block %d", TIER_NAMES[tier],
+                         (int)id);
+        }
+    }
+    free(ids);
+    if (bad >= 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t count, freed;
+    int swap;
+    if (nargs != 3 || as_i32(args[0], "count", &count) < 0 ||
+        (swap = PyObject_IsTrue(args[1])) < 0 || as_i32(args[2], "freed", &freed) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "evict(count, swap, freed)");
+        return NULL;
+    }
+    int status = core_evict(CORE(self), count, swap, &freed);
+    return Py_BuildValue("ii", status, freed);
+}
+
+/* The copies of the swap-out batch in progress: (GPU ids, host ids). */
+static PyObject *Core_batch_copies(PyObject *self, PyObject *unused) {
+    core_t *c = CORE(self);
+    PyObject *src = PyList_New(0), *dst = PyList_New(0);
+    if (src == NULL || dst == NULL) goto fail;
+    for (int32_t k = 0; k < c->n_batch; k++) {
+        if (!c->batch_copy[k]) continue;
+        const node_t *n = N(c, c->batch[k]);
+        PyObject *g = PyLong_FromLong(n->gpu), *h = PyLong_FromLong(n->cpu);
+        int bad = g == NULL || h == NULL || PyList_Append(src, g) < 0 || PyList_Append(dst, h) < 0;
+        Py_XDECREF(g);
+        Py_XDECREF(h);
+        if (bad) goto fail;
+    }
+    return Py_BuildValue("NN", src, dst);
+fail:
+    Py_XDECREF(src);
+    Py_XDECREF(dst);
+    return NULL;
+}
+
+static PyObject *Core_land_swap_out(PyObject *self, PyObject *unused) {
+    core_land_swap_out(CORE(self));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_rollback_swap_out(PyObject *self, PyObject *unused) {
+    core_rollback_swap_out(CORE(self));
+    Py_RETURN_NONE;
+}
+
+static int path_range(request_t *r, int32_t start, Py_ssize_t count) {
+    if (start < 0 || start + count > r->n_path) {
+        PyErr_Format(PyExc_ValueError, "path range %d..%zd is outside the request's %d nodes",
+                     (int)start, start + count, (int)r->n_path);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Core_plan_swap_in(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t start;
+    request_t *r;
+    if (nargs != 3 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "start", &start) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "plan_swap_in(req, start, gpu_ids)");
+        return NULL;
+    }
+    Py_ssize_t n;
+    int32_t *gpu = ints_of(args[2], "gpu_ids", &n);
+    if (gpu == NULL) return NULL;
+    int32_t *cpu = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
+    PyObject *out = NULL;
+    if (cpu == NULL) {
+        PyErr_NoMemory();
+    } else if (path_range(r, start, n) == 0) {
+        core_plan_swap_in(CORE(self), r, start, (int32_t)n, gpu, cpu);
+        out = list_of(cpu, n);
+    }
+    free(gpu);
+    free(cpu);
+    return out;
+}
+
+static PyObject *Core_plan_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t start, want;
+    request_t *r;
+    if (nargs != 4 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "start", &start) < 0 || as_i32(args[2], "n", &want) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "plan_load(req, start, n, gpu_ids)");
+        return NULL;
+    }
+    Py_ssize_t n_gpu;
+    int32_t *gpu = ints_of(args[3], "gpu_ids", &n_gpu);
+    if (gpu == NULL) return NULL;
+    if (start != r->n_path || want < 0 || start + want > r->n_hashes || want > n_gpu) {
+        free(gpu);
+        PyErr_Format(PyExc_ValueError, "plan_load: blocks %d..%d of a request with %d hashes and "
+                     "%d path nodes, %zd gpu ids", (int)start, (int)(start + want),
+                     (int)r->n_hashes, (int)r->n_path, n_gpu);
+        return NULL;
+    }
+    int32_t *nodes = malloc(sizeof(int32_t) * (size_t)(want ? want : 1));
+    int32_t *cpus = malloc(sizeof(int32_t) * (size_t)(want ? want : 1));
+    PyObject *out = NULL;
+    if (nodes == NULL || cpus == NULL) {
+        PyErr_NoMemory();
+    } else {
+        int32_t got;
+        int32_t m = core_plan_load(CORE(self), r, start, want, gpu, nodes, cpus, &got);
+        out = Py_BuildValue("NNi", list_of(nodes, m), list_of(cpus, m), (int)got);
+    }
+    free(gpu);
+    free(nodes);
+    free(cpus);
+    return out;
+}
+
+static PyObject *Core_finish_fetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t start, ok;
+    int is_load, missing;
+    request_t *r;
+    if (nargs != 6 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "start", &start) < 0 || as_i32(args[3], "ok", &ok) < 0 ||
+        (is_load = PyObject_IsTrue(args[4])) < 0 || (missing = PyObject_IsTrue(args[5])) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError,
+                            "finish_fetch(req, start, nodes, ok, is_load, missing)");
+        return NULL;
+    }
+    Py_ssize_t n;
+    int32_t *nodes = ints_of(args[2], "nodes", &n);
+    if (nodes == NULL) return NULL;
+    if (check_nodes(CORE(self), nodes, n) < 0 || n == 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "finish_fetch of no nodes");
+        free(nodes);
+        return NULL;
+    }
+    if (ok < 0) ok = 0;
+    if (ok > n) ok = (int32_t)n;
+    int32_t cut = core_finish_fetch(CORE(self), r, start, nodes, (int32_t)n, ok, is_load, missing);
+    free(nodes);
+    return PyLong_FromLong(cut);
+}
+
+static PyObject *Core_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t full;
+    request_t *r;
+    if (nargs != 3 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[2], "full", &full) < 0 || !PyList_Check(args[1])) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "insert(req, blocks: list, full)");
+        return NULL;
+    }
+    PyObject *list = args[1];
+    Py_ssize_t n_blocks = PyList_Size(list);
+    if (full > r->n_hashes || full > n_blocks) {
+        PyErr_Format(PyExc_ValueError, "insert: %d blocks, but the request has %d hashes and "
+                     "%zd block ids", (int)full, (int)r->n_hashes, n_blocks);
+        return NULL;
+    }
+    int32_t from = r->n_path;
+    if (full <= from) Py_RETURN_NONE;
+    int32_t *blocks = malloc(sizeof(int32_t) * (size_t)full);
+    if (blocks == NULL) return PyErr_NoMemory();
+    for (int32_t k = from; k < full; k++) {
+        if (as_i32(PyList_GetItem(list, k), "block id", &blocks[k]) < 0) {
+            free(blocks);
+            return NULL;
+        }
+    }
+    int32_t *before = malloc(sizeof(int32_t) * (size_t)full);
+    if (before == NULL) {
+        free(blocks);
+        return PyErr_NoMemory();
+    }
+    memcpy(before + from, blocks + from, sizeof(int32_t) * (size_t)(full - from));
+    const char *err = NULL;
+    int rc = core_insert(CORE(self), r, blocks, full, &err);
+    /* dedups replace block ids in the engine's block table */
+    for (int32_t k = from; k < full && rc >= -1; k++) {
+        if (blocks[k] != before[k]) PyList_SetItem(list, k, PyLong_FromLong(blocks[k]));
+    }
+    free(blocks);
+    free(before);
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc == -2) {
+        PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_plan_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t start;
+    request_t *r;
+    if (nargs != 2 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "start", &start) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "plan_store(req, start)");
+        return NULL;
+    }
+    if (path_range(r, start, 0) < 0) return NULL;
+    int32_t room = r->n_path - start;
+    int32_t *nodes = malloc(sizeof(int32_t) * (size_t)(room ? room : 1));
+    int32_t *cpus = malloc(sizeof(int32_t) * (size_t)(room ? room : 1));
+    int32_t *gpus = malloc(sizeof(int32_t) * (size_t)(room ? room : 1));
+    uint8_t *hashes = malloc((size_t)HASH_LEN * (size_t)(room ? room : 1));
+    PyObject *out = NULL;
+    if (nodes == NULL || cpus == NULL || gpus == NULL || hashes == NULL) {
+        PyErr_NoMemory();
+    } else {
+        core_t *c = CORE(self);
+        int32_t m = core_plan_store(c, r, start, nodes, cpus);
+        for (int32_t k = 0; k < m; k++) {
+            gpus[k] = N(c, nodes[k])->gpu;
+            memcpy(hashes + (size_t)k * HASH_LEN, N(c, nodes[k])->hash, HASH_LEN);
+        }
+        out = Py_BuildValue("NNNN", list_of(nodes, m), list_of(cpus, m), list_of(gpus, m),
+                            hash_list(hashes, m));
+    }
+    free(nodes);
+    free(cpus);
+    free(gpus);
+    free(hashes);
+    return out;
+}
+
+static PyObject *Core_finish_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "finish_store(nodes, stored: list[bool] | None)");
+        return NULL;
+    }
+    Py_ssize_t n;
+    int32_t *nodes = ints_of(args[0], "nodes", &n);
+    if (nodes == NULL) return NULL;
+    uint8_t *stored = calloc((size_t)(n ? n : 1), 1);
+    int ok = args[1] != Py_None;
+    if (stored == NULL || check_nodes(CORE(self), nodes, n) < 0) goto fail;
+    if (ok) {
+        if (!PyList_Check(args[1])) {
+            PyErr_SetString(PyExc_TypeError, "stored must be a list of bools or None");
+            goto fail;
+        }
+        Py_ssize_t m = PyList_Size(args[1]);
+        for (Py_ssize_t k = 0; k < n && k < m; k++) {
+            int t = PyObject_IsTrue(PyList_GetItem(args[1], k));
+            if (t < 0) goto fail;
+            stored[k] = (uint8_t)t;
+        }
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (CORE(self)->nodes[nodes[k]].busy <= 0) {
+            PyErr_Format(PyExc_ValueError, "node %d has no store in flight", (int)nodes[k]);
+            goto fail;
+        }
+    }
+    core_finish_store(CORE(self), nodes, (int32_t)n, stored, ok);
+    free(nodes);
+    free(stored);
+    Py_RETURN_NONE;
+fail:
+    if (stored == NULL && !PyErr_Occurred()) PyErr_NoMemory();
+    free(nodes);
+    free(stored);
+    return NULL;
+}
+
+#define VOID_METHOD(name, call)                                                \
+    static PyObject *Core_##name(PyObject *self, PyObject *unused) {          \
+        call(CORE(self));                                                     \
+        Py_RETURN_NONE;                                                       \
+    }
+VOID_METHOD(drop_gpu_tier, core_drop_gpu_tier)
+VOID_METHOD(drop_cpu_tier, core_drop_cpu_tier)
+VOID_METHOD(forget_storage, core_forget_storage)
+
+static PyObject *Core_counters(PyObject *self, PyObject *unused) {
+    core_t *c = CORE(self);
+    PyObject *ev = PyDict_New();
+    if (ev == NULL) return NULL;
+    for (int k = 0; k < EV_COUNT; k++) {
+        if (c->evictions[k] == 0) continue;
+        PyObject *v = PyLong_FromLongLong(c->evictions[k]);
+        if (v == NULL || PyDict_SetItemString(ev, EVICTION_NAMES[k], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(ev);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return Py_BuildValue("{sNsLsLsL}", "evictions", ev, "dedup_blocks", (long long)c->dedup_blocks,
+                         "memo_hits", (long long)c->memo_hits, "blocks_hashed",
+                         (long long)c->blocks_hashed);
+}
+
+static PyObject *Core_set_events(PyObject *self, PyObject *on) {
+    int t = PyObject_IsTrue(on);
+    if (t < 0) return NULL;
+    CORE(self)->events_on = t;
+    Py_RETURN_NONE;
+}
+
+/* The KV events since the last call: [(stored, tier, hash)], tier 0 gpu,
+ * 1 cpu, 2 storage. */
+static PyObject *Core_drain_events(PyObject *self, PyObject *unused) {
+    core_t *c = CORE(self);
+    PyObject *out = PyList_New(c->n_events);
+    if (out == NULL) return NULL;
+    for (int32_t k = 0; k < c->n_events; k++) {
+        event_t *e = &c->events[k];
+        PyObject *t = Py_BuildValue("Niy#", PyBool_FromLong(e->stored), (int)e->tier,
+                                    (const char *)e->hash, (Py_ssize_t)HASH_LEN);
+        if (t == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SetItem(out, k, t);
+    }
+    c->n_events = 0;
+    return out;
+}
+
+static PyObject *node_tuple(const node_t *n, int32_t i) {
+    PyObject *rec = n->record ? PyBytes_FromStringAndSize((const char *)n->record, n->record_len)
+                              : Py_NewRef(Py_None);
+    if (rec == NULL) return NULL;
+    return Py_BuildValue("iy#iiiiiKiiiiiiNK", (int)i, (const char *)n->hash,
+                         (Py_ssize_t)HASH_LEN, (int)n->parent, (int)n->state, (int)n->gpu,
+                         (int)n->cpu, (int)n->ref, (unsigned long long)n->last_access,
+                         (int)n->depth, (int)n->in_storage, (int)n->busy, (int)n->n_children,
+                         (int)n->n_gpu_children, (int)n->n_cpu_children, rec,
+                         (unsigned long long)n->content_key);
+}
+
+static int by_key(const void *a, const void *b) {
+    const heap_entry *x = a, *y = b;
+    if (x->hi != y->hi) return x->hi < y->hi ? -1 : 1;
+    return x->lo < y->lo ? -1 : x->lo > y->lo;
+}
+
+/* A heap's nodes in the order eviction would take them. */
+static PyObject *heap_order(const leafheap_t *h) {
+    heap_entry *copy = malloc(sizeof(heap_entry) * (size_t)(h->size ? h->size : 1));
+    if (copy == NULL) return PyErr_NoMemory();
+    memcpy(copy, h->a, sizeof(heap_entry) * (size_t)h->size);
+    qsort(copy, (size_t)h->size, sizeof(heap_entry), by_key);
+    PyObject *out = PyList_New(h->size);
+    for (int32_t k = 0; out != NULL && k < h->size; k++)
+        PyList_SetItem(out, k, PyLong_FromLong(copy[k].node));
+    free(copy);
+    return out;
+}
+
+static PyObject *pool_ids(const pool_t *p) {
+    PyObject *out = PyList_New(p->count);
+    for (int32_t k = 0; out != NULL && k < p->count; k++) {
+        int32_t pos = p->head + k;
+        if (pos >= p->num_blocks) pos -= p->num_blocks;
+        PyList_SetItem(out, k, PyLong_FromLong(p->ring[pos]));
+    }
+    return out;
+}
+
+/* Everything, as plain data, for the invariant checks and the tests (O(n)).
+ * nodes: (id, hash, parent, state, gpu, cpu, ref, last_access, depth,
+ * in_storage, busy, n_children, n_gpu_children, n_cpu_children, record,
+ * content_key), root excluded, in the reference's walk order. */
+static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
+    core_t *c = CORE(self);
+    PyObject *nodes = PyList_New(0);
+    if (nodes == NULL) return NULL;
+    int32_t *stack = malloc(sizeof(int32_t) * (size_t)(c->num_nodes + 1));
+    if (stack == NULL) {
+        Py_DECREF(nodes);
+        return PyErr_NoMemory();
+    }
+    int32_t sp = 0;
+    for (int32_t ch = N(c, ROOT)->first_child; ch != NIL; ch = N(c, ch)->next_sib)
+        stack[sp++] = ch;
+    while (sp > 0) {
+        int32_t i = stack[--sp];
+        PyObject *t = node_tuple(N(c, i), i);
+        if (t == NULL || PyList_Append(nodes, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(nodes);
+            free(stack);
+            return NULL;
+        }
+        Py_DECREF(t);
+        for (int32_t ch = N(c, i)->first_child; ch != NIL; ch = N(c, ch)->next_sib) {
+            if (sp > c->num_nodes) break; /* a corrupt tree: the check will say so */
+            stack[sp++] = ch;
+        }
+    }
+    free(stack);
+    return Py_BuildValue("{sNsNsNsNsNsNsisisisKsisi}", "nodes", nodes, "gpu_lru",
+                         heap_order(&c->lru[T_GPU]), "cpu_lru", heap_order(&c->lru[T_CPU]),
+                         "gpu_free", pool_ids(&c->pools[T_GPU]), "cpu_free",
+                         pool_ids(&c->pools[T_CPU]), "root_children",
+                         Py_BuildValue("(ii)", (int)N(c, ROOT)->n_gpu_children,
+                                       (int)N(c, ROOT)->n_cpu_children),
+                         "num_nodes", (int)c->num_nodes, "gpu_idle", (int)c->n_gpu_idle,
+                         "gpu_blocks", (int)c->pools[T_GPU].num_blocks, "clock",
+                         (unsigned long long)c->clock, "cpu_blocks",
+                         (int)c->pools[T_CPU].num_blocks, "block_size", (int)c->block_size);
+}
+
+/* The node of hash h, or -1 (tests and checks). */
+static PyObject *Core_find(PyObject *self, PyObject *h) {
+    const uint8_t *p;
+    Py_ssize_t n;
+    if (bytes_arg(h, "hash", &p, &n) < 0) return NULL;
+    if (n != HASH_LEN) return PyLong_FromLong(-1);
+    return PyLong_FromLong(find_by_hash(CORE(self), p));
+}
+
+/* The node the memo walk finds under `parent` for `record`, or -1. */
+static PyObject *Core_memo_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t parent;
+    const uint8_t *rec;
+    Py_ssize_t len;
+    if (nargs != 2 || as_i32(args[0], "parent", &parent) < 0 ||
+        bytes_arg(args[1], "record", &rec, &len) < 0)
+        return NULL;
+    return PyLong_FromLong(
+        memo_find(CORE(self), parent, record_key(rec, (uint32_t)len), rec, (uint32_t)len));
+}
+
+#define INT_GETTER(name, expr)                                                 \
+    static PyObject *Core_get_##name(PyObject *self, void *closure) {         \
+        const core_t *c = CORE(self);                                         \
+        return PyLong_FromLongLong((long long)(expr));                        \
+    }
+INT_GETTER(gpu_free, c->pools[T_GPU].count)
+INT_GETTER(cpu_free, c->pools[T_CPU].count)
+INT_GETTER(gpu_idle, c->n_gpu_idle)
+INT_GETTER(num_nodes, c->num_nodes)
+INT_GETTER(clock, c->clock)
+INT_GETTER(gpu_leaves, c->lru[T_GPU].size)
+INT_GETTER(cpu_leaves, c->lru[T_CPU].size)
+INT_GETTER(batch_size, c->n_batch)
+INT_GETTER(block_size, c->block_size)
+INT_GETTER(gpu_blocks, c->pools[T_GPU].num_blocks)
+INT_GETTER(cpu_blocks, c->pools[T_CPU].num_blocks)
+
+static PyGetSetDef core_getset[] = {
+    {"gpu_free", Core_get_gpu_free, NULL, "free GPU blocks", NULL},
+    {"cpu_free", Core_get_cpu_free, NULL, "free CPU blocks", NULL},
+    {"gpu_idle", Core_get_gpu_idle, NULL, "GPU nodes no request holds (what eviction can free)", NULL},
+    {"num_nodes", Core_get_num_nodes, NULL, "cached nodes (the root excluded)", NULL},
+    {"clock", Core_get_clock, NULL, "the logical clock last_access is stamped with", NULL},
+    {"gpu_leaves", Core_get_gpu_leaves, NULL, "evictable GPU leaves", NULL},
+    {"cpu_leaves", Core_get_cpu_leaves, NULL, "evictable CPU leaves", NULL},
+    {"batch_size", Core_get_batch_size, NULL, "nodes in the swap-out batch in progress", NULL},
+    {"block_size", Core_get_block_size, NULL, "tokens per block", NULL},
+    {"gpu_blocks", Core_get_gpu_blocks, NULL, "GPU pool size", NULL},
+    {"cpu_blocks", Core_get_cpu_blocks, NULL, "CPU pool size", NULL},
+    {NULL},
+};
+
+#define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))Core_##name, METH_FASTCALL, doc}
+static PyMethodDef core_methods[] = {
+    FAST(request, "request(namespace, tokens, extra) -> Request: hash the full blocks (memo walk)"),
+    FAST(extend_hashes, "extend_hashes(req, tokens, full): hash blocks up to full (no memo walk)"),
+    FAST(match, "match(req, limit) -> (n_gpu, n_matched, gpu_ids): reference the cached prefix"),
+    {"undo_match", Core_undo_match, METH_O, "undo_match(req): exactly undo match()"},
+    {"unref_path", Core_unref_path, METH_O, "unref_path(req): the request is done with its path"},
+    {"tick", Core_tick, METH_NOARGS, "tick(): advance the logical clock"},
+    FAST(alloc, "alloc(tier, n) -> list[int]: take n free blocks (ValueError if fewer)"),
+    FAST(free, "free(tier, ids, front=False): return blocks (all checked first)"),
+    FAST(evict, "evict(count, swap, freed) -> (status, freed): 0 done, 1 flush, 2 empty"),
+    {"batch_copies", Core_batch_copies, METH_NOARGS,
+     "batch_copies() -> (gpu_ids, cpu_ids): the copies the swap-out batch needs"},
+    {"land_swap_out", Core_land_swap_out, METH_NOARGS, "land_swap_out(): the batch was copied"},
+    {"rollback_swap_out", Core_rollback_swap_out, METH_NOARGS,
+     "rollback_swap_out(): the batch's copy failed"},
+    FAST(plan_swap_in, "plan_swap_in(req, start, gpu_ids) -> cpu_ids"),
+    FAST(plan_load, "plan_load(req, start, n, gpu_ids) -> (nodes, cpu_ids, host blocks got)"),
+    FAST(finish_fetch, "finish_fetch(req, start, nodes, ok, is_load, missing) -> cut or -1"),
+    FAST(insert, "insert(req, blocks, full): cache the request's computed blocks"),
+    FAST(plan_store, "plan_store(req, start) -> (nodes, cpu_ids, gpu_ids, hashes)"),
+    FAST(finish_store, "finish_store(nodes, stored | None)"),
+    {"drop_gpu_tier", Core_drop_gpu_tier, METH_NOARGS, "forget every GPU copy"},
+    {"drop_cpu_tier", Core_drop_cpu_tier, METH_NOARGS, "forget every CPU copy"},
+    {"forget_storage", Core_forget_storage, METH_NOARGS, "forget what storage holds"},
+    {"counters", Core_counters, METH_NOARGS,
+     "counters() -> {evictions, dedup_blocks, memo_hits, blocks_hashed}"},
+    {"set_events", Core_set_events, METH_O, "set_events(on): record KV events"},
+    {"drain_events", Core_drain_events, METH_NOARGS, "drain_events() -> [(stored, tier, hash)]"},
+    {"snapshot", Core_snapshot, METH_NOARGS, "snapshot() -> dict: everything, as plain data"},
+    {"find", Core_find, METH_O, "find(hash) -> node id or -1"},
+    FAST(memo_find, "memo_find(parent, record) -> node id or -1"),
+    {NULL},
+};
+
+static PyType_Slot core_slots[] = {
+    {Py_tp_new, core_new},
+    {Py_tp_dealloc, core_dealloc},
+    {Py_tp_methods, core_methods},
+    {Py_tp_getset, core_getset},
+    {Py_tp_doc, "The cache core: tree, pools and leaf heaps of one manager."},
+    {0, NULL},
+};
+
+static PyType_Spec core_spec = {"kvcached.core._core.Core", sizeof(CoreObject), 0,
+                                Py_TPFLAGS_DEFAULT, core_slots};
+
+/* ---------------------------------------------------------------- Request */
+
+static void request_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    RequestObject *r = (RequestObject *)self;
+    request_clear(&r->r);
+    Py_XDECREF(r->core);
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(self);
+    Py_DECREF(tp);
+}
+
+#define R(self) (&((RequestObject *)(self))->r)
+
+static PyObject *Request_hashes(PyObject *self, PyObject *args) {
+    Py_ssize_t n = R(self)->n_hashes, start = 0, stop = n;
+    if (!PyArg_ParseTuple(args, "|nn", &start, &stop)) return NULL;
+    if (start < 0) start = 0;
+    if (stop > n) stop = n;
+    if (stop < start) stop = start;
+    return hash_list(R(self)->hashes + start * HASH_LEN, stop - start);
+}
+
+static PyObject *Request_path(PyObject *self, PyObject *unused) {
+    return list_of(R(self)->path, R(self)->n_path);
+}
+
+static PyObject *Request_get_n_hashes(PyObject *self, void *c) {
+    return PyLong_FromLong(R(self)->n_hashes);
+}
+static PyObject *Request_get_n_path(PyObject *self, void *c) {
+    return PyLong_FromLong(R(self)->n_path);
+}
+static PyObject *Request_get_chain_open(PyObject *self, void *c) {
+    return PyBool_FromLong(R(self)->chain_open);
+}
+
+static PyMethodDef request_methods[] = {
+    {"hashes", Request_hashes, METH_VARARGS,
+     "hashes(start=0, stop=n) -> list[bytes]: the block hashes"},
+    {"path", Request_path, METH_NOARGS, "path() -> list[int]: the nodes the request holds"},
+    {NULL},
+};
+
+static PyGetSetDef request_getset[] = {
+    {"n_hashes", Request_get_n_hashes, NULL, "blocks hashed", NULL},
+    {"n_path", Request_get_n_path, NULL, "nodes the request holds", NULL},
+    {"chain_open", Request_get_chain_open, NULL,
+     "False once a computed block could not join the tree", NULL},
+    {NULL},
+};
+
+static PyType_Slot request_slots[] = {
+    {Py_tp_dealloc, request_dealloc},
+    {Py_tp_methods, request_methods},
+    {Py_tp_getset, request_getset},
+    {Py_tp_doc, "One request's block hashes and path (made by Core.request)."},
+    {0, NULL},
+};
+
+static PyType_Spec request_spec = {"kvcached.core._core.Request", sizeof(RequestObject), 0,
+                                   Py_TPFLAGS_DEFAULT, request_slots};
+
+/* ---------------------------------------------------------------- module */
+
+/* chain(parent, tokens, block_size, extra, start, stop) -> list[bytes]: the
+ * chained hashes of blocks [start, stop), block start-1's hash being parent. */
+static PyObject *mod_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *parent, *extra;
+    Py_ssize_t parent_len, extra_len;
+    int32_t bs, start, stop;
+    if (nargs != 6 || bytes_arg(args[0], "parent", &parent, &parent_len) < 0 ||
+        as_i32(args[2], "block_size", &bs) < 0 || bytes_arg(args[3], "extra", &extra, &extra_len) < 0 ||
+        as_i32(args[4], "start", &start) < 0 || as_i32(args[5], "stop", &stop) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "chain(parent, tokens, block_size, extra, start, stop)");
+        return NULL;
+    }
+    if (parent_len != HASH_LEN || bs <= 0 || start < 0 || stop < start) {
+        PyErr_Format(PyExc_ValueError, "chain: parent of %d bytes, block_size > 0 and "
+                     "0 <= start <= stop needed", HASH_LEN);
+        return NULL;
+    }
+    Py_ssize_t n = token_count(args[1]);
+    if (n < 0) return NULL;
+    if ((Py_ssize_t)stop * bs > n) {
+        PyErr_Format(PyExc_ValueError, "chain: block %d ends past the %zd tokens", (int)stop, n);
+        return NULL;
+    }
+    Py_ssize_t count = (Py_ssize_t)(stop - start) * bs;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
+    uint8_t *hashes = malloc((size_t)HASH_LEN * (size_t)(stop - start ? stop - start : 1));
+    PyObject *out = NULL;
+    if (ids == NULL || hashes == NULL) {
+        PyErr_NoMemory();
+    } else if (read_tokens(args[1], (Py_ssize_t)start * bs, (Py_ssize_t)stop * bs, ids) == 0) {
+        const uint8_t *prev = parent;
+        for (int32_t b = 0; b < stop - start; b++) {
+            hash_block(prev, extra, (size_t)extra_len, ids + (size_t)b * bs, bs,
+                       hashes + (size_t)b * HASH_LEN);
+            prev = hashes + (size_t)b * HASH_LEN;
+        }
+        out = hash_list(hashes, stop - start);
+    }
+    free(ids);
+    free(hashes);
+    return out;
+}
+
+/* record_input(record, parent, block_size, has_ns) -> bytes: the hash input a
+ * memo record stands for (the invariant check rehashes it). */
+static PyObject *mod_record_input(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *rec, *parent;
+    Py_ssize_t len, plen;
+    int32_t bs;
+    int has_ns;
+    if (nargs != 4 || bytes_arg(args[0], "record", &rec, &len) < 0 ||
+        bytes_arg(args[1], "parent", &parent, &plen) < 0 || as_i32(args[2], "block_size", &bs) < 0 ||
+        (has_ns = PyObject_IsTrue(args[3])) < 0)
+        return NULL;
+    int width = len ? rec[len - 1] : 0;
+    Py_ssize_t head = len - 1 - (Py_ssize_t)width * bs;
+    if ((width != 2 && width != 4 && width != 8) || bs <= 0 || head < (has_ns ? HASH_LEN : 0) ||
+        (!has_ns && plen != HASH_LEN)) {
+        PyErr_Format(PyExc_ValueError, "not a memo record of %d-token blocks (%zd bytes, width %d)",
+                     (int)bs, len, width);
+        return NULL;
+    }
+    size_t room = HASH_LEN + (size_t)len + 8 * (size_t)bs;
+    uint8_t *out = malloc(room);
+    if (out == NULL) return PyErr_NoMemory();
+    size_t n = record_input(out, parent, rec, (uint32_t)len, bs, has_ns);
+    PyObject *res = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)n);
+    free(out);
+    return res;
+}
+
+static PyObject *mod_impl(PyObject *mod, PyObject *unused) {
+    return PyUnicode_FromString(hash_impl_name());
+}
+
+static PyObject *mod_impls(PyObject *mod, PyObject *unused) {
+    const char *names[8];
+    int n = hash_impl_list(names, 8);
+    PyObject *out = PyTuple_New(n);
+    for (int k = 0; out != NULL && k < n; k++) PyTuple_SetItem(out, k, PyUnicode_FromString(names[k]));
+    return out;
+}
+
+static PyObject *mod_set_impl(PyObject *mod, PyObject *name) {
+    const char *s = PyUnicode_AsUTF8AndSize(name, NULL);
+    if (s == NULL) return NULL;
+    PyObject *prev = PyUnicode_FromString(hash_impl_name());
+    if (prev == NULL) return NULL;
+    if (hash_impl_set(s) < 0) {
+        Py_DECREF(prev);
+        PyErr_Format(PyExc_ValueError, "BLAKE2b implementation %R is unknown or not supported "
+                     "by this CPU", name);
+        return NULL;
+    }
+    return prev;
+}
+
+static PyMethodDef module_methods[] = {
+    {"chain", (PyCFunction)(void (*)(void))mod_chain, METH_FASTCALL,
+     "chain(parent, tokens, block_size, extra, start, stop) -> list[bytes]"},
+    {"record_input", (PyCFunction)(void (*)(void))mod_record_input, METH_FASTCALL,
+     "record_input(record, parent, block_size, has_ns) -> bytes"},
+    {"impl", mod_impl, METH_NOARGS, "impl() -> str: the BLAKE2b compress in use"},
+    {"impls", mod_impls, METH_NOARGS, "impls() -> tuple[str]: those this CPU runs, best first"},
+    {"set_impl", mod_set_impl, METH_O, "set_impl(name) -> str: switch; returns the previous"},
+    {NULL},
+};
+
+static int module_exec(PyObject *mod) {
+    module_state *st = PyModule_GetState(mod);
+    hash_impl_select();
+    st->core_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &core_spec, NULL);
+    if (st->core_type == NULL) return -1;
+    st->request_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &request_spec, NULL);
+    if (st->request_type == NULL) return -1;
+    if (PyModule_AddObjectRef(mod, "Core", (PyObject *)st->core_type) < 0) return -1;
+    if (PyModule_AddObjectRef(mod, "Request", (PyObject *)st->request_type) < 0) return -1;
+    if (PyModule_AddIntConstant(mod, "HASH_LEN", HASH_LEN) < 0) return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *mod, visitproc visit, void *arg) {
+    module_state *st = PyModule_GetState(mod);
+    Py_VISIT(st->core_type);
+    Py_VISIT(st->request_type);
+    return 0;
+}
+
+static int module_clear(PyObject *mod) {
+    module_state *st = PyModule_GetState(mod);
+    Py_CLEAR(st->core_type);
+    Py_CLEAR(st->request_type);
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#ifdef Py_GIL_DISABLED
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_core", "The kvcached cache core (see kvcached/core/native/core.h).",
+    sizeof(module_state),  module_methods, module_slots, module_traverse, module_clear, NULL,
+};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&module_def); }

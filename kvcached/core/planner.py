@@ -1,0 +1,270 @@
+"""The planner: turns the core's plans into transfer tasks and lands their results.
+
+The native core decides what moves (which leaves to evict, which blocks a
+request fetches, which it writes through to storage) and changes node
+states; the planner submits each move as a ``Task`` and, when the task has
+completed on every rank, tells the core how it went. A node changes tier
+only then; a failed or short task rolls its nodes back.
+
+- Eviction (``make_room``) is synchronous: a GPU block is reused only after
+  its swap-out finished on every rank, so the engine never writes into a
+  block still being copied, and a failed copy rolls back (the victims are
+  dropped instead: a broken CPU tier costs hits, never serving).
+- Fetches (swap-ins of CPU hits, loads of storage hits) are asynchronous:
+  ``Allocation.wait`` blocks on them; a failure cuts the request's cached
+  prefix there and the engine recomputes the rest into the same blocks.
+- Write-through stages a commit's new blocks into host blocks and stores
+  them in one task per commit.
+
+Every call happens under the manager's lock, on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvcached.config import CacheConfig
+from kvcached.core.request import RunningRequest
+from kvcached.core.stats import Counters
+from kvcached.errors import TransferFailed, WorkerLost
+from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.types import HitInfo
+
+logger = logging.getLogger(__name__)
+
+GPU, CPU = 0, 1  # the core's pool numbers
+EVICT_DONE, EVICT_FLUSH, EVICT_EMPTY = 0, 1, 2  # Core.evict's statuses
+
+
+def task_error(res: TaskResult, kind: str) -> TransferFailed:
+    cls = WorkerLost if res.lost else TransferFailed
+    return cls(f"{kind} task {res.task_id} failed: {res.error}")
+
+
+@dataclass(slots=True)
+class Pending:
+    """A fetch or store in flight: which request (None for a store), where its
+    nodes start in the request's path, the nodes, and the task's handle."""
+
+    kind: str  # "swap_in", "load" or "store"
+    req: RunningRequest | None
+    start: int
+    nodes: list[int]
+    handle: TaskHandle
+
+
+class Planner:
+    """Executes the core's plans through a Transfer (see the module docstring)."""
+
+    def __init__(self, core, cfg: CacheConfig, counters: Counters) -> None:
+        self.core = core
+        self.cfg = cfg
+        self.counters = counters
+        self.transfer: Transfer | None = None
+        self.pending: dict[int, Pending] = {}  # task id -> fetch or store in flight
+        self.cpu_enabled = cfg.num_cpu_blocks > 0
+        self.paused = False
+
+    # -------------------------------------------------------------- tasks
+    def submit(self, task: Task) -> TaskHandle:
+        h = self.transfer.submit(task)
+        self.counters.task_submitted(task)
+        return h
+
+    def await_all(self, handles: list[TaskHandle], timeout: float) -> list[TaskResult]:
+        deadline = time.monotonic() + timeout
+        for h in handles:
+            if not h.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{h.task.kind} task {h.task.task_id} did not finish "
+                                   f"within {timeout:.1f}s")
+        return [h.result for h in handles]
+
+    def reap(self) -> None:
+        """Apply the completions the transfer queued (swap-outs are waited for inline)."""
+        q = self.transfer.completed if self.transfer else ()
+        while q:
+            h = q.popleft()
+            self.counters.task_done(h.task, h.result)
+            p = self.pending.pop(h.task.task_id, None)
+            if p is None:
+                continue  # swap-outs and lookups are handled where they are waited for
+            if p.kind == "store":
+                self._finish_store(p, h.result)
+            else:
+                self._finish_fetch(p, h.result)
+        if self.cpu_enabled and not self.pending and not self.transfer.healthy:
+            self.disable_cpu_tier()
+
+    def wait_background(self, timeout_s: float) -> bool:
+        """Wait for every task in flight and apply it; False if there was none."""
+        handles = [p.handle for p in self.pending.values()]
+        if handles:
+            self.await_all(handles, timeout_s)
+            self.reap()
+        return bool(handles)
+
+    def disable_cpu_tier(self) -> None:
+        """The workers are gone for good: forget every CPU copy, serve GPU-only."""
+        used = self.core.cpu_blocks - self.core.cpu_free
+        self.core.drop_cpu_tier()
+        self.cpu_enabled = False
+        logger.error("transfer workers cannot be restarted: CPU tier switched off "
+                     "(%d blocks dropped); serving GPU-only", used)
+
+    # ----------------------------------------------------------- eviction
+    def make_room(self, need: int) -> None:
+        """Evict GPU leaves until ``need`` GPU blocks are free (the caller
+        checked that enough are idle)."""
+        if need <= self.core.gpu_free:
+            return
+        # Swap-outs are waited for; while paused they would only wait for resume.
+        swap = self.cpu_enabled and self.transfer.healthy and not self.paused
+        try:
+            self._evict_gpu(need - self.core.gpu_free, swap)
+        except TransferFailed as e:
+            # The victims were rolled back onto the GPU: drop them instead.
+            logger.warning("swap_out failed (%s); evicting by dropping instead", e)
+            self._evict_gpu(need - self.core.gpu_free, swap=False)
+
+    def _evict_gpu(self, count: int, swap: bool) -> None:
+        freed = 0
+        while True:
+            status, freed = self.core.evict(count, swap, freed)
+            if status == EVICT_FLUSH:  # land the batch: its victims become CPU leaves
+                self._swap_out()
+            elif status == EVICT_EMPTY:
+                # Idle blocks still being written through to storage: let them land.
+                if not self.wait_background(self.cfg.task_timeout_s + 5.0):
+                    raise AssertionError("GPU eviction found no leaf although blocks were idle")
+            else:
+                break
+        if self.core.batch_size:
+            self._swap_out()
+
+    def _swap_out(self) -> None:
+        """Copy the core's swap-out batch to host blocks and land it; its GPU
+        blocks are reused only once the copy finished on every rank."""
+        src, dst = self.core.batch_copies()
+        if src:
+            h = self.submit(Task("swap_out", src, dst))
+            res = self.await_all([h], self.cfg.task_timeout_s + 5.0)[0]
+            if not res.ok:
+                self.core.rollback_swap_out()
+                raise task_error(res, "swap_out")
+        self.core.land_swap_out()
+
+    # ------------------------------------------------------------ fetches
+    def plan_fetches(self, req: RunningRequest, n_gpu: int, n_matched: int) -> tuple[int, int]:
+        """Swap-ins of the CPU hits after the ``n_gpu`` GPU hits, then loads of
+        what storage holds next; returns how many blocks of each."""
+        n_swap = n_matched - n_gpu
+        new = req.blocks[n_gpu:]
+        if n_swap:
+            gpu_ids = new[:n_swap]
+            cpus = self.core.plan_swap_in(req.core, n_gpu, gpu_ids)
+            nodes = req.core.path()[n_gpu:]
+            self._track("swap_in", req, n_gpu, nodes, Task("swap_in", cpus, gpu_ids))
+        if not self.cfg.storage_backend:
+            return n_swap, 0
+        limit = (req.num_tokens - 1) // self.cfg.block_size
+        return n_swap, self._plan_load(req, n_matched, limit, new[n_swap:])
+
+    def _track(self, kind: str, req: RunningRequest | None, start: int, nodes: list[int],
+               task: Task) -> None:
+        h = self.submit(task)
+        self.pending[h.task.task_id] = Pending(kind, req, start, nodes, h)
+        if req is not None:
+            req.alloc._handles.append(h)
+
+    def storage_usable(self) -> bool:
+        return bool(self.cfg.storage_backend) and self.cpu_enabled and not self.paused \
+            and self.transfer.healthy
+
+    def _plan_load(self, req: RunningRequest, start: int, limit: int,
+                   gpu_ids: list[int]) -> int:
+        """Look the blocks after the path up in storage and start loading the
+        contiguous prefix every rank has; returns how many blocks load."""
+        want = min(limit - start, len(gpu_ids))
+        if want <= 0:
+            return 0
+        skipped = self.counters.storage  # why a read did not happen: `kvcached status`
+        if not self.storage_usable():
+            skipped["skip_paused_or_no_cpu_tier"] += 1
+            return 0
+        if want < self.cfg.storage_min_load_blocks:
+            skipped["skip_below_min_load_blocks"] += 1
+            return 0
+        hashes = req.core.hashes(start, start + want)
+        n = self._lookup(hashes)
+        if n < max(1, self.cfg.storage_min_load_blocks):
+            skipped["skip_not_in_storage"] += 1
+            return 0
+        nodes, cpus, got = self.core.plan_load(req.core, start, n, gpu_ids)
+        if got < n:
+            skipped["short_of_cpu_blocks"] += 1
+        if not nodes:
+            return 0
+        args = {"keys": [h.hex() for h in hashes[:len(nodes)]],
+                "device_ids": gpu_ids[:len(nodes)]}
+        if self.cfg.storage_load_policy != "wait_complete":
+            args["deadline_s"] = self.cfg.storage_load_timeout_s
+        self._track("load", req, start, nodes, Task("load", [], cpus, args))
+        return len(nodes)
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        """Blocks of ``hashes`` (a prefix) that every rank has in storage; 0 on trouble."""
+        h = self.submit(Task("lookup", [], [], {"keys": [x.hex() for x in hashes]}))
+        if not h.wait(self.cfg.storage_load_timeout_s) or not h.result.ok:
+            self.counters.storage["lookup_failed"] += 1
+            return 0
+        return int(h.result.result.get("prefix", 0))
+
+    def _finish_fetch(self, p: Pending, res: TaskResult) -> None:
+        """Land the fetched prefix; cut the request at the first block that did
+        not arrive (it recomputes from there); roll back the rest."""
+        ok = len(p.nodes) if res.ok else 0
+        if res.ok and p.kind == "load":
+            ok = min(ok, int(res.result.get("prefix", 0)))
+        cut = self.core.finish_fetch(p.req.core, p.start, p.nodes, ok, p.kind == "load", res.ok)
+        if cut >= 0:
+            self._truncate(p.req, cut, p.kind, None if res.ok else task_error(res, p.kind))
+
+    def _truncate(self, req: RunningRequest, first: int, kind: str,
+                  error: Exception | None) -> None:
+        """The allocation's side of a cut: fewer cached tokens, fewer hits."""
+        bs = self.cfg.block_size
+        a = req.alloc
+        lost = a.num_cached_tokens - first * bs
+        gpu = min(a.hit.gpu_tokens, first * bs)
+        cpu = min(a.hit.cpu_tokens, first * bs - gpu)
+        storage = first * bs - gpu - cpu
+        for tier, before, after in (("cpu", a.hit.cpu_tokens, cpu),
+                                    ("storage", a.hit.storage_tokens, storage)):
+            self.counters.hit_tokens[tier] -= before - after
+        a.hit = HitInfo(gpu, cpu, storage)
+        a.num_cached_tokens = first * bs
+        if error is not None and a.error is None:
+            a.error = error
+        logger.warning("%s for request %r %s; %d tokens will be recomputed", kind, req.rid,
+                       f"failed: {error}" if error else "came back short", lost)
+
+    # ------------------------------------------------------ write-through
+    def write_through(self, req: RunningRequest, start: int) -> None:
+        """Stage the request's new GPU blocks (path from ``start``) into host
+        blocks and store them (one task)."""
+        if not self.storage_usable():
+            return
+        nodes, cpus, gpus, hashes = self.core.plan_store(req.core, start)
+        if nodes:
+            self._track("store", None, 0, nodes,
+                        Task("store", cpus, [], {"keys": [h.hex() for h in hashes],
+                                                 "device_ids": gpus}))
+
+    def _finish_store(self, p: Pending, res: TaskResult) -> None:
+        stored = [bool(s) for s in res.result.get("stored", [])] if res.ok else []
+        self.core.finish_store(p.nodes, stored if res.ok else None)
+        n_stored = sum(stored[:len(p.nodes)])
+        self.counters.storage["stored"] += n_stored
+        self.counters.storage["store_failed"] += len(p.nodes) - n_stored

@@ -1,0 +1,161 @@
+"""The native core against the reference manager (tests/reference/manager.py,
+the Python loops it replaced): both serve the same random workload, and after
+every call the whole tree, both free lists, both tiers' leaf orders, every
+running request and the stats must be equal.
+
+The workload mixes what moves blocks between tiers: evictions with and
+without a CPU tier, swap-ins, failing swap-outs / swap-ins / loads (rolled
+back, lost workers), pauses (evictions drop instead of swapping out),
+write-through to storage and loads from it, sleep and wakeup (with the host
+pool released or kept), new weight versions, KV events (which must not change
+anything the core does).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import tiny_config
+from helpers import FlakyTransfer
+from reference.compare import diff, reference_state, state
+from reference.manager import CacheManager as ReferenceManager
+
+from kvcached import NoFreeBlocks, TransferFailed
+from kvcached.core.manager import CacheManager
+
+SETUPS = {
+    "gpu only": dict(num_gpu_blocks=10),
+    "gpu and cpu": dict(num_gpu_blocks=10, num_cpu_blocks=12),
+    "small cpu tier": dict(num_gpu_blocks=10, num_cpu_blocks=5),
+    "with storage": dict(num_gpu_blocks=10, num_cpu_blocks=8, storage_backend="file"),
+    "kv events": dict(num_gpu_blocks=10, num_cpu_blocks=6, kv_events_endpoint="events"),
+    "no memo": dict(num_gpu_blocks=10, num_cpu_blocks=6, hash_memo=False),
+}
+
+
+class Pair:
+    """The same calls on both managers; every outcome must agree."""
+
+    def __init__(self, tmp_path, setup: dict):
+        self.mgrs = []
+        for name, cls in (("core", CacheManager), ("reference", ReferenceManager)):
+            extra = {}
+            if setup.get("storage_backend"):
+                extra["storage_url"] = str(tmp_path / name / "store")
+            if setup.get("kv_events_endpoint"):
+                extra["kv_events_endpoint"] = f"ipc://{tmp_path}/{name}-events"
+            cfg = tiny_config(run_dir=str(tmp_path / name / "run"), **{**setup, **extra})
+            self.mgrs.append(cls(cfg, transfer=FlakyTransfer(cfg, cfg.run_dir)).start())
+
+    def call(self, fn):
+        """fn(mgr) on both; the result or the exception type must agree."""
+        out = []
+        for mgr in self.mgrs:
+            try:
+                out.append(("ok", fn(mgr)))
+            except (NoFreeBlocks, TransferFailed, RuntimeError) as e:
+                out.append(("error", type(e).__name__))
+        assert out[0] == out[1], out
+        return out[0]
+
+    def fail(self, kinds: set[str], lost: bool) -> None:
+        for mgr in self.mgrs:
+            mgr.transfer.fail_kinds = set(kinds)
+            mgr.transfer.lost = lost
+
+    def check(self, step: int) -> None:
+        core, ref = self.mgrs
+        core.check_invariants()
+        d = diff(state(core), reference_state(ref))
+        assert d is None, f"step {step}: {d}"
+
+    def close(self) -> None:
+        for mgr in self.mgrs:
+            mgr.close()
+
+
+def prompt(rng: random.Random) -> list[int]:
+    """Few distinct blocks, so prompts share prefixes and collide often."""
+    blocks = [rng.randrange(4) for _ in range(rng.randrange(1, 7))]
+    return [b for b in blocks for _ in range(4)] + [9] * rng.randrange(4)
+
+
+def allocate(rid, tokens, reserve):
+    def fn(mgr):
+        a = mgr.allocate(rid, tokens, reserve_tokens=reserve)
+        try:
+            a.wait()
+        finally:
+            result = (list(a.block_ids), a.num_cached_tokens, tuple(a.hit))
+        return result
+    return fn
+
+
+def run_workload(pair: Pair, seed: int, steps: int = 250) -> dict:
+    rng = random.Random(seed)
+    held: dict[int, list[int]] = {}
+    seen = {"paused": 0, "slept": 0, "failed": 0}
+    failing = 0  # steps left with a failure injected
+    for i in range(steps):
+        roll = rng.random()
+        failing -= 1
+        if failing == 0:
+            pair.fail(set(), False)
+        if roll < 0.06:  # a few steps of failing tasks (a flaky or lost worker)
+            pair.fail(rng.choice([{"swap_out"}, {"swap_in"}, {"load"}]), rng.random() < 0.3)
+            failing = rng.randrange(1, 6)
+            seen["failed"] += 1
+        elif roll < 0.12:
+            paused = pair.mgrs[0].status()["paused"]
+            pair.call(lambda m, p=paused: m.resume() if p else m.pause())
+            seen["paused"] += 1
+        elif roll < 0.15:
+            for rid in sorted(held):  # sleep needs every request freed
+                pair.call(lambda m, r=rid: m.free(r))
+            held.clear()
+            release = rng.random() < 0.5
+            pair.call(lambda m, r=release: m.sleep(release_host_pool=r))
+            pair.call(lambda m: m.wakeup())
+            seen["slept"] += 1
+        elif roll < 0.17:
+            pair.call(lambda m, v=str(rng.randrange(3)): m.update_weights(v))
+        elif held and roll < 0.35:
+            rid = rng.choice(sorted(held))
+            extra = [rng.randrange(3)] * rng.randrange(0, 6)
+            status, _ = pair.call(lambda m, r=rid, n=len(extra): m.extend(r, n))
+            if status == "ok":
+                held[rid] = held[rid] + extra
+        elif held and roll < 0.55:
+            rid = rng.choice(sorted(held))
+            n = rng.randrange(len(held[rid]) + 1)
+            pair.call(lambda m, r=rid, t=held[rid], n=n: m.commit(r, t, n))
+        elif held and (roll < 0.75 or len(held) > 3):
+            rid = rng.choice(sorted(held))
+            pair.call(lambda m, r=rid: m.free(r))
+            del held[rid]
+        else:
+            tokens = prompt(rng)
+            pair.call(allocate(i, tokens, rng.randrange(5)))
+            if any(r.rid == i for r in pair.mgrs[0].snapshot().requests):
+                held[i] = tokens  # allocated (its wait may have failed)
+        pair.check(i)
+    return seen
+
+
+@pytest.mark.parametrize("setup", SETUPS.values(), ids=SETUPS.keys())
+@pytest.mark.parametrize("seed", [1, 2])
+def test_core_is_the_reference(tmp_path, setup, seed):
+    pair = Pair(tmp_path, setup)
+    try:
+        seen = run_workload(pair, seed)
+        stats = pair.mgrs[0].stats()
+    finally:
+        pair.close()
+    assert seen["paused"] and seen["slept"] and seen["failed"]
+    ev = stats.evictions
+    assert ev.get("gpu_dropped", 0) > 0 and stats.hit_tokens["gpu"] > 0  # it evicted and hit
+    if setup.get("num_cpu_blocks") and not setup.get("storage_backend"):
+        assert ev.get("gpu_to_cpu", 0) > 0 and stats.hit_tokens["cpu"] > 0
+    if setup.get("storage_backend"):
+        assert stats.storage["stored"] > 0 and stats.hit_tokens["storage"] > 0
