@@ -52,6 +52,10 @@ def test_a_cached_prompt_is_not_hashed_again():
     assert got == reference_hashes(NS, prompt, BS) and (memo, blake) == (3, 0)
     got, memo, blake = hashed(c, blocks(5, 6, 8, 9))  # diverges at block 2
     assert got == reference_hashes(NS, blocks(5, 6, 8, 9), BS) and (memo, blake) == (2, 2)
+    cache(c, blocks(5, 6, 8, 9))
+    # block 1 branches now ("7" and "8" under it): block 2 is hashed, block 3 a link again
+    got, memo, blake = hashed(c, blocks(5, 6, 8, 9))
+    assert got == reference_hashes(NS, blocks(5, 6, 8, 9), BS) and (memo, blake) == (3, 1)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -129,7 +133,8 @@ def test_a_removed_node_leaves_the_memo():
     c = _core.Core(4, 0, BS)
     cache(c, blocks(1, 2))
     cache(c, blocks(7, 8))
-    assert hashed(c, blocks(1, 2))[1] == 2
+    # the root branches: block 0 is hashed and looked up; block 1 is a chain link
+    assert hashed(c, blocks(1, 2))[1:] == (1, 1)
     assert c.evict(2, False, 0) == (0, 2)  # drops the oldest leaf "2", then its parent "1"
     assert c.find(reference_hashes(NS, blocks(1, 2), BS)[0]) == -1
     got, memo, blake = hashed(c, blocks(1, 2))

@@ -501,7 +501,7 @@ class CacheManager:
 
     def check_invariants(self) -> None:
         """Raise InvariantError on the first broken invariant (kvcached.core.invariants)."""
-        check(self.snapshot(), self.core)
+        check(self.snapshot())
 
 
 __all__ = ["CacheManager", "CPU", "GPU"]

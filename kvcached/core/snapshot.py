@@ -55,14 +55,13 @@ class NodeView:
     n_gpu_children: int  # children in GPU or SWAP_IN
     n_cpu_children: int  # children holding a CPU block
     record: bytes | None  # hash-memo record (None: the node has none)
-    content_key: int
 
     @classmethod
     def from_tuple(cls, t: tuple) -> NodeView:
         (i, h, parent, state, gpu, cpu, ref, last, depth, in_storage, busy, n_children,
-         n_gpu, n_cpu, record, key) = t
+         n_gpu, n_cpu, record) = t
         return cls(i, h, parent, Tier(state), gpu, cpu, ref, last, depth, bool(in_storage),
-                   busy, n_children, n_gpu, n_cpu, record, key)
+                   busy, n_children, n_gpu, n_cpu, record)
 
     def __repr__(self) -> str:
         return (f"Node({self.hash.hex()[:8]} {self.state.name} gpu={self.gpu} cpu={self.cpu} "

@@ -1,6 +1,6 @@
 /* The cache core's data: nodes of the prefix tree, the two block pools, the
- * two tiers' evictable-leaf heaps and the indexes that find a node by its
- * block hash or by its hash-memo record. Plain C integers throughout; no
+ * two tiers' evictable-leaf heaps and the index that finds a node by its
+ * block hash. Plain C integers throughout; no
  * Python object per node, so the garbage collector never sees the tree.
  *
  * A node is an index into one growable array (`core.nodes`): never keep a
@@ -8,8 +8,8 @@
  * Index 0 is the root, a sentinel that "holds" every tier and is never
  * evicted.
  *
- * Files: table.c (nodes, indexes), pool.c, lru.c (heaps), hashing.c (chained
- * hashes and the memo), ops.c (every state transition), module.c (the
+ * Files: table.c (nodes, the hash index), pool.c, lru.c (heaps), hashing.c
+ * (chained hashes and the memo), ops.c (every state transition), module.c (the
  * Python types). The transitions follow tests/reference/manager.py line by
  * line; the differential tests hold the two to the same results. */
 #ifndef KVC_CORE_H
@@ -46,20 +46,23 @@ typedef struct {
     uint8_t live;           /* 0: on the free list of node slots */
     uint64_t last_access;
     /* hash memo: the exact input this node's hash was computed from, less
-     * the parent's hash (see hashing.c); NULL when it has none */
+     * the parent's hash (see hashing.h); NULL when it has none */
     uint8_t *record;
     uint32_t record_len;
-    uint64_t content_key;   /* fast key of the record */
 } node_t;
 
-/* An open-addressing table of node indexes (linear probing, deletion by
- * backward shift, so no tombstones). The key of an entry is derived from
- * its node (see table.c), so a slot holds just the index. */
+/* The nodes by block hash: open addressing, linear probing, deletion by
+ * backward shift (no tombstones). A slot keeps 32 bits of the hash beside
+ * the node, so probing and shifting read a node only on a likely match. */
 typedef struct {
-    int32_t *slots;
+    uint32_t key;
+    int32_t node; /* NIL: empty */
+} slot_t;
+
+typedef struct {
+    slot_t *slots;
     uint32_t mask;
     uint32_t count;
-    int by_memo; /* 0: keyed by node hash; 1: by memo key (content key x parent) */
 } index_t;
 
 /* Free block ids of one tier: a ring in FIFO order (allocation takes the
@@ -104,7 +107,7 @@ typedef struct {
     int32_t *free_nodes;    /* a stack of free slots (room for cap) */
     int32_t n_free_nodes;
     int32_t num_nodes;      /* live nodes, the root excluded */
-    index_t by_hash, by_memo;
+    index_t by_hash;
     pool_t pools[2];
     leafheap_t lru[2];
     uint64_t clock;
@@ -136,10 +139,10 @@ typedef struct {
     uint8_t *extra;
     size_t extra_len;
     uint8_t *hashes;          /* n_hashes x HASH_LEN */
-    uint64_t *keys;           /* content key of each block's record */
-    uint8_t **records;        /* NULL where the memo knew the block */
+    uint8_t **records;        /* NULL where the block's node existed when hashed */
     uint32_t *record_lens;
     int32_t n_hashes, hash_cap;
+    int32_t *walk;            /* the node each block's hash led to when hashed, or NIL */
     int32_t *path;
     int32_t n_path, path_cap;
     int chain_open;           /* 0 once a computed block could not join the tree */
@@ -153,11 +156,8 @@ int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]); /* NI
 void node_release(core_t *c, int32_t i);    /* unlink from parent and indexes, free the slot */
 int32_t child_by_hash(const core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]);
 int32_t find_by_hash(const core_t *c, const uint8_t hash[HASH_LEN]);
-int index_add(core_t *c, index_t *t, int32_t node);   /* -1: no memory */
-void index_remove(core_t *c, index_t *t, int32_t node);
-int32_t memo_find(const core_t *c, int32_t parent, uint64_t content_key, const uint8_t *record,
-                  uint32_t record_len);
-uint64_t memo_slot_key(uint64_t content_key, int32_t parent);
+int index_add(core_t *c, int32_t node);   /* -1: no memory */
+void index_remove(core_t *c, int32_t node);
 
 /* pool.c */
 int pool_init(pool_t *p, int32_t n);

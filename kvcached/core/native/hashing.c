@@ -8,18 +8,46 @@ size_t record_room(size_t extra_len, int32_t block_size) {
     return HASH_LEN + extra_len + 8 * (size_t)block_size + 1;
 }
 
+/* The narrowing loops are kept apart per width so that they vectorise (a
+ * chain link's compare builds the block's record and compares bytes); on
+ * x86-64 each is also built for AVX2 and AVX-512, picked at load time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+VECTOR_CLONES static uint64_t or_all(const int64_t *ids, int32_t n) {
+    uint64_t wide = 0;
+    for (int32_t i = 0; i < n; i++) wide |= (uint64_t)ids[i];
+    return wide;
+}
+
+VECTOR_CLONES static void narrow16(uint16_t *p, const int64_t *ids, int32_t n) {
+    for (int32_t i = 0; i < n; i++) p[i] = (uint16_t)ids[i];
+}
+
+VECTOR_CLONES static void narrow32(uint32_t *p, const int64_t *ids, int32_t n) {
+    for (int32_t i = 0; i < n; i++) p[i] = (uint32_t)ids[i];
+}
+
+/* Record layout: ids || [namespace] || extra || width. The ids come first, so
+ * they start where the buffer does (malloc'd: aligned) and the narrowing
+ * stores are aligned. */
 uint32_t make_record(uint8_t *out, const uint8_t *ns, const uint8_t *extra, size_t extra_len,
                      const int64_t *ids, int32_t n) {
-    uint8_t *p = out;
-    if (ns != NULL) {
-        memcpy(p, ns, HASH_LEN);
-        p += HASH_LEN;
-    }
-    memcpy(p, extra, extra_len);
-    p += extra_len;
-    uint64_t wide = 0; /* any id outside [0, 2^16) or [0, 2^32) sets a high bit */
-    for (int32_t i = 0; i < n; i++) wide |= (uint64_t)ids[i];
+    uint64_t wide = or_all(ids, n); /* an id outside [0, 2^16) or [0, 2^32) sets a high bit */
     int width = wide >> 32 ? 8 : wide >> 16 ? 4 : 2;
+    uint8_t *p = out;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (width == 2) {
+        narrow16((uint16_t *)p, ids, n);
+    } else if (width == 4) {
+        narrow32((uint32_t *)p, ids, n);
+    } else {
+        memcpy(p, ids, (size_t)n * 8);
+    }
+#else
     for (int32_t i = 0; i < n; i++) {
         if (width == 2) {
             store16_le(p + 2 * i, (uint32_t)ids[i]);
@@ -29,57 +57,34 @@ uint32_t make_record(uint8_t *out, const uint8_t *ns, const uint8_t *extra, size
             store64_le(p + 8 * i, (uint64_t)ids[i]);
         }
     }
+#endif
     p += (size_t)width * (size_t)n;
+    if (ns != NULL) {
+        memcpy(p, ns, HASH_LEN);
+        p += HASH_LEN;
+    }
+    memcpy(p, extra, extra_len);
+    p += extra_len;
     *p++ = (uint8_t)width;
     return (uint32_t)(p - out);
-}
-
-static inline uint64_t mix(uint64_t a, uint64_t w) {
-    a = (a ^ w) * 0x9E3779B97F4A7C15ULL;
-    return a ^ (a >> 29);
-}
-
-/* Four independent lanes, so the multiplies overlap instead of chaining. */
-uint64_t record_key(const uint8_t *p, uint32_t n) {
-    uint64_t a = 0x243F6A8885A308D3ULL, b = 0x13198A2E03707344ULL;
-    uint64_t c = 0xA4093822299F31D0ULL, d = 0x082EFA98EC4E6C89ULL;
-    uint32_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        a = mix(a, load64_le(p + i));
-        b = mix(b, load64_le(p + i + 8));
-        c = mix(c, load64_le(p + i + 16));
-        d = mix(d, load64_le(p + i + 24));
-    }
-    for (; i + 8 <= n; i += 8) a = mix(a, load64_le(p + i));
-    if (i < n) {
-        uint8_t tail[8] = {0};
-        memcpy(tail, p + i, n - i);
-        b = mix(b, load64_le(tail));
-    }
-    uint64_t k = a ^ rotr64(b, 17) ^ rotr64(c, 31) ^ rotr64(d, 47) ^ n;
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    return k;
 }
 
 size_t record_input(uint8_t *out, const uint8_t *parent, const uint8_t *rec, uint32_t len,
                     int32_t block_size, int has_ns) {
     int width = rec[len - 1];
     size_t ids_len = (size_t)width * (size_t)block_size;
-    size_t head = len - 1 - ids_len; /* [ns] || extra */
+    size_t head = len - 1 - ids_len; /* [ns] || extra, after the ids */
     uint8_t *p = out;
     if (!has_ns) {
         memcpy(p, parent, HASH_LEN);
         p += HASH_LEN;
     }
-    memcpy(p, rec, head);
+    memcpy(p, rec + ids_len, head);
     p += head;
-    const uint8_t *ids = rec + head;
     for (int32_t i = 0; i < block_size; i++, p += 8) {
-        uint64_t v = width == 2   ? load16_le(ids + 2 * i)
-                     : width == 4 ? load32_le(ids + 4 * i)
-                                  : load64_le(ids + 8 * i);
+        uint64_t v = width == 2   ? load16_le(rec + 2 * i)
+                     : width == 4 ? load32_le(rec + 4 * i)
+                                  : load64_le(rec + 8 * i);
         store64_le(p, v);
     }
     return (size_t)(p - out);

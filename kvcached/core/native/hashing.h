@@ -6,14 +6,15 @@
  * The memo: a node remembers the exact input its hash was computed from,
  * less the parent's hash (the parent node stands for it), as a record:
  *
- *   [namespace hash, for a node under the root] || extra || ids || width
+ *   ids || [namespace hash, for a node under the root] || extra || width
  *
  * with the ids narrowed to the narrowest little-endian form they all fit
  * (uint16, uint32 or int64; width says which: 2, 4 or 8), so equal blocks
- * have equal records. A block whose record equals the record of a child of
- * the node before it has that child's hash: equal records are equal hash
- * inputs. A fast 64-bit key of the record only picks the candidate; a
- * collision costs one BLAKE2b, never a wrong hash. */
+ * have equal records. When the node the previous block matched has one
+ * child (a link of a chain: most blocks of a hit), the block is compared
+ * with that child's record; if they are equal the block has the child's
+ * hash (equal records, equal hash inputs, equal hashes). Anywhere else (a
+ * branch, a new block) the block is hashed. */
 #ifndef KVC_HASHING_H
 #define KVC_HASHING_H
 
@@ -26,7 +27,6 @@
 uint32_t make_record(uint8_t *out, const uint8_t *ns, const uint8_t *extra, size_t extra_len,
                      const int64_t *ids, int32_t n);
 size_t record_room(size_t extra_len, int32_t block_size);
-uint64_t record_key(const uint8_t *rec, uint32_t len);
 /* The hash input a record stands for, given the parent's hash (NULL for a
  * record that carries the namespace): parent || extra || ids as int64. */
 size_t record_input(uint8_t *out, const uint8_t *parent, const uint8_t *rec, uint32_t len,

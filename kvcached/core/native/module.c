@@ -131,6 +131,67 @@ static int bytes_arg(PyObject *o, const char *what, const uint8_t **p, Py_ssize_
 
 /* ----------------------------------------------------------------- tokens */
 
+static int token_error(PyObject *item, Py_ssize_t i) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyObject *name = PyType_GetName(Py_TYPE(item));
+        PyErr_Format(PyExc_TypeError, "token %zd is a %S, not an int", i, name);
+        Py_XDECREF(name);
+    } else if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_OverflowError, "token %zd is outside int64", i);
+    }
+    return -1;
+}
+
+static inline PyObject *item_at(PyObject *seq, int is_list, Py_ssize_t i) {
+    return is_list ? PyList_GetItem(seq, i) : PyTuple_GetItem(seq, i);
+}
+
+/* Tokens [lo, hi) of a list or tuple as int64, at out. The int objects lie
+ * all over the heap, and reading them is most of a resident hit's cost: the
+ * item pointers are collected first (into out itself) so that each object
+ * can be prefetched well before it is read. Only exact ints are read that
+ * way (converting them runs no Python code, so the sequence cannot change
+ * meanwhile); from the first other item on, each item is fetched as it is
+ * converted (its __index__ may run anything). */
+static int read_items(PyObject *seq, int is_list, Py_ssize_t lo, Py_ssize_t hi, int64_t *out) {
+    enum { AHEAD = 16 };
+    Py_ssize_t n = hi - lo;
+    for (Py_ssize_t k = 0; k < n; k++) out[k] = (int64_t)(intptr_t)item_at(seq, is_list, lo + k);
+    Py_ssize_t k = 0, exact = n;
+    for (; k < n; k++) {
+        if (k + AHEAD < n) {
+            __builtin_prefetch((const void *)(intptr_t)out[k + AHEAD]);
+        }
+        PyObject *item = (PyObject *)(intptr_t)out[k];
+        if (!PyLong_CheckExact(item)) {
+            exact = k;
+            break;
+        }
+        long long v = PyLong_AsLongLong(item);
+        if (v == -1 && PyErr_Occurred()) return token_error(item, lo + k);
+        out[k] = (int64_t)v;
+    }
+    k = exact;
+    for (; k < n; k++) {
+        Py_ssize_t size = is_list ? PyList_Size(seq) : PyTuple_Size(seq);
+        if (lo + k >= size) {
+            PyErr_SetString(PyExc_ValueError, "tokens changed size while being read");
+            return -1;
+        }
+        PyObject *item = item_at(seq, is_list, lo + k);
+        Py_INCREF(item); /* its __index__ may drop the sequence's reference */
+        long long v = PyLong_AsLongLong(item);
+        int failed = v == -1 && PyErr_Occurred();
+        if (failed) token_error(item, lo + k);
+        Py_DECREF(item);
+        if (failed) return -1;
+        out[k] = (int64_t)v;
+    }
+    return 0;
+}
+
 /* Tokens [lo, hi) of a list, tuple or integer buffer as int64, at out. */
 static int read_tokens(PyObject *tokens, Py_ssize_t lo, Py_ssize_t hi, int64_t *out) {
     int is_list = PyList_Check(tokens);
@@ -140,24 +201,7 @@ static int read_tokens(PyObject *tokens, Py_ssize_t lo, Py_ssize_t hi, int64_t *
             PyErr_SetString(PyExc_ValueError, "tokens changed size while being read");
             return -1;
         }
-        for (Py_ssize_t i = lo; i < hi; i++) {
-            PyObject *item = is_list ? PyList_GetItem(tokens, i) : PyTuple_GetItem(tokens, i);
-            long long v = PyLong_AsLongLong(item);
-            if (v == -1 && PyErr_Occurred()) {
-                if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-                    PyErr_Clear();
-                    PyObject *name = PyType_GetName(Py_TYPE(item));
-                    PyErr_Format(PyExc_TypeError, "token %zd is a %S, not an int", i, name);
-                    Py_XDECREF(name);
-                } else if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                    PyErr_Clear();
-                    PyErr_Format(PyExc_OverflowError, "token %zd is outside int64", i);
-                }
-                return -1;
-            }
-            out[i - lo] = (int64_t)v;
-        }
-        return 0;
+        return read_items(tokens, is_list, lo, hi, out);
     }
     Py_buffer view;
     if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
@@ -237,7 +281,7 @@ static void request_clear(request_t *r) {
     }
     free(r->records);
     free(r->record_lens);
-    free(r->keys);
+    free(r->walk);
     free(r->hashes);
     free(r->path);
     free(r->extra);
@@ -251,63 +295,70 @@ static int request_reserve(request_t *r, int32_t n, int memo) {
     uint8_t *h = realloc(r->hashes, (size_t)cap * HASH_LEN);
     if (h == NULL) return -1;
     r->hashes = h;
+    int32_t *w = realloc(r->walk, sizeof(int32_t) * (size_t)cap);
+    if (w == NULL) return -1;
+    r->walk = w;
     if (memo) {
-        uint64_t *k = realloc(r->keys, sizeof(uint64_t) * (size_t)cap);
-        if (k == NULL) return -1;
-        r->keys = k;
         uint8_t **rec = realloc(r->records, sizeof(uint8_t *) * (size_t)cap);
         if (rec == NULL) return -1;
         r->records = rec;
         uint32_t *len = realloc(r->record_lens, sizeof(uint32_t) * (size_t)cap);
         if (len == NULL) return -1;
         r->record_lens = len;
-        for (int32_t k2 = r->hash_cap; k2 < cap; k2++) r->records[k2] = NULL;
+        for (int32_t k = r->hash_cap; k < cap; k++) r->records[k] = NULL;
     }
     r->hash_cap = cap;
     return 0;
 }
 
+/* A new block's memo record, for the node commit will make (no memory: the
+ * node will have no memo). */
+static void keep_record(request_t *r, int32_t b, const uint8_t *rec, uint32_t len) {
+    r->records[b] = malloc(len);
+    if (r->records[b] == NULL) return;
+    memcpy(r->records[b], rec, len);
+    r->record_lens[b] = len;
+}
+
 /* Hash blocks [r->n_hashes, stop) of ids (ids[0] is the first token of block
- * r->n_hashes). With walk, the memo walk: each block's record is looked up
- * among the children of the node the previous block matched; a hit takes
- * the node's hash, a miss runs BLAKE2b (and the walk continues only where a
- * node with that hash exists). Records are kept for blocks the memo did not
- * know (new nodes take them). */
+ * r->n_hashes). With walk, down the tree from the root: where the node the
+ * previous block led to has one child, the block is compared with that
+ * child's memo record and, when equal, takes its hash; elsewhere it is
+ * hashed and looked up (the walk ends at the first block not in the tree).
+ * walk[] keeps the node of each block for match(); a new block keeps its
+ * record for the node commit makes. */
 static int hash_blocks(core_t *c, request_t *r, const int64_t *ids, int32_t stop, int walk) {
     int32_t bs = c->block_size, first = r->n_hashes;
     if (request_reserve(r, stop, c->memo) < 0) return -1;
-    size_t room = record_room(r->extra_len, bs);
-    uint8_t *rec = malloc(room);
-    if (rec == NULL) return -1;
+    uint8_t *rec = c->memo ? malloc(record_room(r->extra_len, bs)) : NULL;
+    if (c->memo && rec == NULL) return -1;
     int32_t node = walk ? ROOT : NIL;
     for (int32_t b = first; b < stop; b++) {
         const int64_t *blk = ids + (size_t)(b - first) * (size_t)bs;
-        const uint8_t *parent_hash = b ? r->hashes + (size_t)(b - 1) * HASH_LEN : r->ns;
         uint8_t *out = r->hashes + (size_t)b * HASH_LEN;
         int32_t hit = NIL;
         uint32_t len = 0;
-        uint64_t key = 0;
         if (c->memo) {
             len = make_record(rec, b == 0 ? r->ns : NULL, r->extra, r->extra_len, blk, bs);
-            key = record_key(rec, len);
-            if (node != NIL) hit = memo_find(c, node, key, rec, len);
-        }
-        if (hit != NIL) {
-            memcpy(out, N(c, hit)->hash, HASH_LEN);
-            c->memo_hits++;
-        } else {
-            hash_block(parent_hash, r->extra, r->extra_len, blk, bs, out);
-            c->blocks_hashed++;
-            if (c->memo) {
-                r->records[b] = malloc(len);
-                if (r->records[b] != NULL) {
-                    memcpy(r->records[b], rec, len);
-                    r->record_lens[b] = len;
+            if (node != NIL && N(c, node)->n_children == 1) {
+                int32_t only = N(c, node)->first_child;
+                const node_t *x = N(c, only);
+                if (x->record_len == len && x->record != NULL && memcmp(x->record, rec, len) == 0) {
+                    hit = only;
+                    memcpy(out, x->hash, HASH_LEN);
+                    c->memo_hits++;
+                    if (x->n_children == 1) __builtin_prefetch(N(c, x->first_child));
                 }
             }
-            if (node != NIL) hit = child_by_hash(c, node, out);
         }
-        if (c->memo) r->keys[b] = key;
+        if (hit == NIL) {
+            const uint8_t *parent_hash = b ? r->hashes + (size_t)(b - 1) * HASH_LEN : r->ns;
+            hash_block(parent_hash, r->extra, r->extra_len, blk, bs, out);
+            c->blocks_hashed++;
+            if (node != NIL) hit = child_by_hash(c, node, out);
+            if (hit == NIL && c->memo) keep_record(r, b, rec, len);
+        }
+        r->walk[b] = hit;
         node = hit;
         r->n_hashes = b + 1;
     }
@@ -871,12 +922,11 @@ static PyObject *node_tuple(const node_t *n, int32_t i) {
     PyObject *rec = n->record ? PyBytes_FromStringAndSize((const char *)n->record, n->record_len)
                               : Py_NewRef(Py_None);
     if (rec == NULL) return NULL;
-    return Py_BuildValue("iy#iiiiiKiiiiiiNK", (int)i, (const char *)n->hash,
+    return Py_BuildValue("iy#iiiiiKiiiiiiN", (int)i, (const char *)n->hash,
                          (Py_ssize_t)HASH_LEN, (int)n->parent, (int)n->state, (int)n->gpu,
                          (int)n->cpu, (int)n->ref, (unsigned long long)n->last_access,
                          (int)n->depth, (int)n->in_storage, (int)n->busy, (int)n->n_children,
-                         (int)n->n_gpu_children, (int)n->n_cpu_children, rec,
-                         (unsigned long long)n->content_key);
+                         (int)n->n_gpu_children, (int)n->n_cpu_children, rec);
 }
 
 static int by_key(const void *a, const void *b) {
@@ -910,8 +960,8 @@ static PyObject *pool_ids(const pool_t *p) {
 
 /* Everything, as plain data, for the invariant checks and the tests (O(n)).
  * nodes: (id, hash, parent, state, gpu, cpu, ref, last_access, depth,
- * in_storage, busy, n_children, n_gpu_children, n_cpu_children, record,
- * content_key), root excluded, in the reference's walk order. */
+ * in_storage, busy, n_children, n_gpu_children, n_cpu_children, record),
+ * root excluded, in the reference's walk order. */
 static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
     core_t *c = CORE(self);
     PyObject *nodes = PyList_New(0);
@@ -959,18 +1009,6 @@ static PyObject *Core_find(PyObject *self, PyObject *h) {
     if (bytes_arg(h, "hash", &p, &n) < 0) return NULL;
     if (n != HASH_LEN) return PyLong_FromLong(-1);
     return PyLong_FromLong(find_by_hash(CORE(self), p));
-}
-
-/* The node the memo walk finds under `parent` for `record`, or -1. */
-static PyObject *Core_memo_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int32_t parent;
-    const uint8_t *rec;
-    Py_ssize_t len;
-    if (nargs != 2 || as_i32(args[0], "parent", &parent) < 0 ||
-        bytes_arg(args[1], "record", &rec, &len) < 0)
-        return NULL;
-    return PyLong_FromLong(
-        memo_find(CORE(self), parent, record_key(rec, (uint32_t)len), rec, (uint32_t)len));
 }
 
 #define INT_GETTER(name, expr)                                                 \
@@ -1036,7 +1074,6 @@ static PyMethodDef core_methods[] = {
     {"drain_events", Core_drain_events, METH_NOARGS, "drain_events() -> [(stored, tier, hash)]"},
     {"snapshot", Core_snapshot, METH_NOARGS, "snapshot() -> dict: everything, as plain data"},
     {"find", Core_find, METH_O, "find(hash) -> node id or -1"},
-    FAST(memo_find, "memo_find(parent, record) -> node id or -1"),
     {NULL},
 };
 

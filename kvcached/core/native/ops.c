@@ -363,6 +363,18 @@ int32_t core_take_cpu_blocks(core_t *c, int32_t n, int32_t *out) {
 
 /* ------------------------------------------------------------- matching */
 
+/* Block k's node under `node`: the one the hash walk found, when it is still
+ * that node (a slot can be reused after a removal), else looked up. */
+static inline int32_t walked_child(const core_t *c, const request_t *r, int32_t node, int32_t k) {
+    const uint8_t *h = r->hashes + (size_t)k * HASH_LEN;
+    int32_t ch = r->walk[k];
+    if (ch != NIL && ch < c->n_slots) {
+        const node_t *n = N(c, ch);
+        if (n->live && n->parent == node && memcmp(n->hash, h, HASH_LEN) == 0) return ch;
+    }
+    return child_by_hash(c, node, h);
+}
+
 /* Reference the longest prefix of ready nodes, GPU nodes then CPU nodes (GPU
  * is prefix-closed), at most `limit` blocks; stops at in-flight nodes (a
  * second request recomputes rather than sharing an unfinished copy). The
@@ -382,7 +394,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int32_t *n_gpu, int32_t *
     r->unlisted[0].node = r->unlisted[1].node = NIL;
     int32_t node = ROOT, k = 0, idle = 0;
     for (; k < limit; k++) {
-        int32_t ch = child_by_hash(c, node, r->hashes + (size_t)k * HASH_LEN);
+        int32_t ch = walked_child(c, r, node, k);
         if (ch == NIL || N(c, ch)->state != S_GPU) break;
         node_t *n = N(c, ch);
         if (n->ref == 0) {
@@ -400,7 +412,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int32_t *n_gpu, int32_t *
     }
     *n_gpu = k;
     for (; k < limit; k++) {
-        int32_t ch = child_by_hash(c, node, r->hashes + (size_t)k * HASH_LEN);
+        int32_t ch = walked_child(c, r, node, k);
         if (ch == NIL || N(c, ch)->state != S_CPU) break;
         node_t *n = N(c, ch);
         int32_t pos = n->heap_pos[T_CPU];
@@ -610,15 +622,9 @@ static int ensure_path(request_t *r, int32_t n) {
  * (it moves: the request no longer needs it once the node exists). */
 static void take_record(core_t *c, request_t *r, int32_t i, int32_t k) {
     if (r->records == NULL || r->records[k] == NULL) return;
-    node_t *n = N(c, i);
-    n->record = r->records[k];
-    n->record_len = r->record_lens[k];
-    n->content_key = r->keys[k];
+    N(c, i)->record = r->records[k];
+    N(c, i)->record_len = r->record_lens[k];
     r->records[k] = NULL;
-    if (index_add(c, &c->by_memo, i) < 0) { /* no memory: the node just has no memo */
-        free(n->record);
-        n->record = NULL;
-    }
 }
 
 /* Start loading request blocks start .. start+n-1 from storage (the caller

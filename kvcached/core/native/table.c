@@ -1,60 +1,40 @@
-/* Nodes and the two indexes that find them.
+/* Nodes, and the index that finds a node by its block hash.
  *
- * by_hash finds a node by its block hash. A block hash chains every block
- * before it (and the namespace), so it names one prefix: one global table
- * replaces a dict of children per node, and child_by_hash checks the parent
- * only as a guard.
- *
- * by_memo finds the node a block's tokens were hashed into before, by the
- * fast content key of its memo record and its parent (hashing.c compares the
- * candidate's record byte for byte; the key only picks it). */
+ * A block hash chains every block before it (and the namespace), so it names
+ * one prefix: one global table replaces a dict of children per node, and
+ * child_by_hash checks the parent only as a guard. */
 #include "core.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-static inline uint64_t load_u64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
+/* Block hashes are BLAKE2b output, uniform already: 4 of their bytes index. */
+static inline uint32_t hash_key(const uint8_t h[HASH_LEN]) {
+    uint32_t v;
+    memcpy(&v, h, 4);
     return v;
 }
 
-/* Block hashes are BLAKE2b output, uniform already: 8 of their bytes index. */
-static inline uint64_t hash_key(const uint8_t h[HASH_LEN]) { return load_u64(h); }
-
-uint64_t memo_slot_key(uint64_t content_key, int32_t parent) {
-    uint64_t k = content_key ^ ((uint64_t)(uint32_t)parent * 0x9E3779B97F4A7C15ULL);
-    k ^= k >> 31;
-    k *= 0xBF58476D1CE4E5B9ULL;
-    return k ^ (k >> 29);
-}
-
-static inline uint64_t entry_key(const core_t *c, const index_t *t, int32_t node) {
-    const node_t *n = N(c, node);
-    return t->by_memo ? memo_slot_key(n->content_key, n->parent) : hash_key(n->hash);
-}
-
-static int index_init(index_t *t, int by_memo) {
+static int index_init(index_t *t) {
     t->mask = 1023;
     t->count = 0;
-    t->by_memo = by_memo;
-    t->slots = malloc(sizeof(int32_t) * (t->mask + 1));
+    t->slots = malloc(sizeof(slot_t) * (t->mask + 1));
     if (t->slots == NULL) return -1;
-    memset(t->slots, 0xff, sizeof(int32_t) * (t->mask + 1)); /* all NIL */
+    for (uint32_t i = 0; i <= t->mask; i++) t->slots[i].node = NIL;
     return 0;
 }
 
-static int index_grow(core_t *c, index_t *t) {
+static int index_grow(index_t *t) {
     uint32_t old_cap = t->mask + 1, cap = old_cap * 2;
-    int32_t *old = t->slots, *slots = malloc(sizeof(int32_t) * cap);
+    slot_t *old = t->slots, *slots = malloc(sizeof(slot_t) * cap);
     if (slots == NULL) return -1;
-    memset(slots, 0xff, sizeof(int32_t) * cap);
+    for (uint32_t i = 0; i < cap; i++) slots[i].node = NIL;
     t->slots = slots;
     t->mask = cap - 1;
     for (uint32_t i = 0; i < old_cap; i++) {
-        if (old[i] == NIL) continue;
-        uint32_t s = (uint32_t)entry_key(c, t, old[i]) & t->mask;
-        while (slots[s] != NIL) s = (s + 1) & t->mask;
+        if (old[i].node == NIL) continue;
+        uint32_t s = old[i].key & t->mask;
+        while (slots[s].node != NIL) s = (s + 1) & t->mask;
         slots[s] = old[i];
     }
     free(old);
@@ -62,65 +42,54 @@ static int index_grow(core_t *c, index_t *t) {
 }
 
 /* Load factor at most 1/2: probes stay short on a hit and on a miss. */
-int index_add(core_t *c, index_t *t, int32_t node) {
-    if ((t->count + 1) * 2 > t->mask + 1 && index_grow(c, t) < 0) return -1;
-    uint32_t s = (uint32_t)entry_key(c, t, node) & t->mask;
-    while (t->slots[s] != NIL) s = (s + 1) & t->mask;
-    t->slots[s] = node;
+int index_add(core_t *c, int32_t node) {
+    index_t *t = &c->by_hash;
+    if ((t->count + 1) * 2 > t->mask + 1 && index_grow(t) < 0) return -1;
+    uint32_t key = hash_key(N(c, node)->hash), s = key & t->mask;
+    while (t->slots[s].node != NIL) s = (s + 1) & t->mask;
+    t->slots[s].key = key;
+    t->slots[s].node = node;
     t->count++;
     return 0;
 }
 
-void index_remove(core_t *c, index_t *t, int32_t node) {
-    uint32_t s = (uint32_t)entry_key(c, t, node) & t->mask;
-    while (t->slots[s] != node) {
-        if (t->slots[s] == NIL) return; /* not indexed */
+void index_remove(core_t *c, int32_t node) {
+    index_t *t = &c->by_hash;
+    uint32_t s = hash_key(N(c, node)->hash) & t->mask;
+    while (t->slots[s].node != node) {
+        if (t->slots[s].node == NIL) return; /* not indexed */
         s = (s + 1) & t->mask;
     }
-    /* backward shift: move later entries of the run into the hole when their
-     * home slot does not lie cyclically in (hole, their slot] */
+    /* backward shift: move later entries of the run into the hole unless their
+     * home slot lies cyclically in (hole, their slot] */
     uint32_t hole = s, j = s;
     for (;;) {
         j = (j + 1) & t->mask;
-        int32_t e = t->slots[j];
-        if (e == NIL) break;
-        uint32_t home = (uint32_t)entry_key(c, t, e) & t->mask;
+        if (t->slots[j].node == NIL) break;
+        uint32_t home = t->slots[j].key & t->mask;
         int stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
         if (!stays) {
-            t->slots[hole] = e;
+            t->slots[hole] = t->slots[j];
             hole = j;
         }
     }
-    t->slots[hole] = NIL;
+    t->slots[hole].node = NIL;
     t->count--;
 }
 
 int32_t find_by_hash(const core_t *c, const uint8_t hash[HASH_LEN]) {
     const index_t *t = &c->by_hash;
-    for (uint32_t s = (uint32_t)hash_key(hash) & t->mask;; s = (s + 1) & t->mask) {
-        int32_t e = t->slots[s];
-        if (e == NIL) return NIL;
-        if (memcmp(N(c, e)->hash, hash, HASH_LEN) == 0) return e;
+    uint32_t key = hash_key(hash);
+    for (uint32_t s = key & t->mask;; s = (s + 1) & t->mask) {
+        const slot_t *e = &t->slots[s];
+        if (e->node == NIL) return NIL;
+        if (e->key == key && memcmp(N(c, e->node)->hash, hash, HASH_LEN) == 0) return e->node;
     }
 }
 
 int32_t child_by_hash(const core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]) {
     int32_t n = find_by_hash(c, hash);
     return n != NIL && N(c, n)->parent == parent ? n : NIL;
-}
-
-int32_t memo_find(const core_t *c, int32_t parent, uint64_t content_key, const uint8_t *record,
-                  uint32_t record_len) {
-    const index_t *t = &c->by_memo;
-    for (uint32_t s = (uint32_t)memo_slot_key(content_key, parent) & t->mask;;
-         s = (s + 1) & t->mask) {
-        int32_t e = t->slots[s];
-        if (e == NIL) return NIL;
-        const node_t *n = N(c, e);
-        if (n->content_key == content_key && n->parent == parent &&
-            n->record_len == record_len && memcmp(n->record, record, record_len) == 0)
-            return e;
-    }
 }
 
 static void link_child(core_t *c, int32_t parent, int32_t child) {
@@ -185,7 +154,7 @@ int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]) {
         i = c->n_slots++;
     }
     node_reset(N(c, i), parent, N(c, parent)->depth + 1, hash);
-    if (index_add(c, &c->by_hash, i) < 0) {
+    if (index_add(c, i) < 0) {
         N(c, i)->live = 0;
         c->free_nodes[c->n_free_nodes++] = i; /* room: it came from there or from n_slots */
         return NIL;
@@ -199,12 +168,9 @@ int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]) {
  * caller has emptied its children, its copies and its heap places. */
 void node_release(core_t *c, int32_t i) {
     node_t *n = N(c, i);
-    index_remove(c, &c->by_hash, i);
-    if (n->record != NULL) {
-        index_remove(c, &c->by_memo, i);
-        free(n->record);
-        n->record = NULL;
-    }
+    index_remove(c, i);
+    free(n->record);
+    n->record = NULL;
     unlink_child(c, i);
     n->live = 0;
     n->parent = NIL;
@@ -221,7 +187,7 @@ int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_s
     c->batch = malloc(sizeof(int32_t) * (size_t)c->batch_cap);
     c->batch_copy = malloc(sizeof(int32_t) * (size_t)c->batch_cap);
     if (c->nodes == NULL || c->free_nodes == NULL || c->batch == NULL || c->batch_copy == NULL ||
-        index_init(&c->by_hash, 0) < 0 || index_init(&c->by_memo, 1) < 0 ||
+        index_init(&c->by_hash) < 0 ||
         pool_init(&c->pools[T_GPU], gpu_blocks) < 0 ||
         pool_init(&c->pools[T_CPU], cpu_blocks) < 0 || heap_init(&c->lru[T_GPU], T_GPU) < 0 ||
         heap_init(&c->lru[T_CPU], T_CPU) < 0) {
@@ -246,7 +212,6 @@ void core_free(core_t *c) {
     free(c->nodes);
     free(c->free_nodes);
     free(c->by_hash.slots);
-    free(c->by_memo.slots);
     free(c->batch);
     free(c->batch_copy);
     free(c->events);
