@@ -51,7 +51,7 @@ def _check_structure(snap: CacheSnapshot) -> None:
         c[0] += 1
         c[1] += n.state in (Tier.GPU, Tier.SWAP_IN)
         c[2] += n.cpu >= 0
-        _check_node(n, p)
+        _check_node(n, p, snap.external)
     for n in nodes.values():
         got = (n.n_children, n.n_gpu_children, n.n_cpu_children)
         if got != tuple(counts[n.id]):
@@ -61,9 +61,12 @@ def _check_structure(snap: CacheSnapshot) -> None:
               f"are {tuple(counts[ROOT][1:])}")
 
 
-def _check_node(n: NodeView, p: NodeView | None) -> None:
-    """A node's copies match its state; copies are prefix-closed."""
-    holds_gpu = n.state in GPU_STATES
+def _check_node(n: NodeView, p: NodeView | None, external: bool) -> None:
+    """A node's copies match its state; copies are prefix-closed. With an
+    external GPU tier no node holds a GPU block (the engine's are its own)."""
+    holds_gpu = n.state in GPU_STATES and not external
+    if external and n.state is Tier.GPU:
+        _fail(f"{n}: state GPU in a cache whose GPU tier is the engine's")
     if holds_gpu != (n.gpu >= 0):
         _fail(f"{n}: state {n.state.name} but gpu block {n.gpu}")
     if n.state in (Tier.CPU, Tier.SWAP_IN, Tier.SWAP_OUT) and n.cpu < 0:
@@ -115,7 +118,7 @@ def _check_requests(snap: CacheSnapshot) -> None:
             n = nodes.get(nid)
             if n is None or n.parent != parent:
                 _fail(f"request {r.rid!r}: node {i} is not a child of node {i - 1}")
-            if r.blocks[i] != n.gpu:
+            if not snap.external and r.blocks[i] != n.gpu:
                 _fail(f"request {r.rid!r}: block {i} is {r.blocks[i]} but its node has {n.gpu}")
             refs[nid] += 1
             parent = nid
@@ -134,8 +137,9 @@ def _check_busy(snap: CacheSnapshot) -> None:
     for n in snap.nodes.values():
         if n.busy != busy[n.id]:
             _fail(f"{n}: busy={n.busy} but {busy[n.id]} store tasks in flight read it")
-        if n.busy and (n.state is not Tier.GPU or n.cpu < 0):
-            _fail(f"{n}: a busy node must be on GPU with its staging CPU block")
+        staged = Tier.CPU if snap.external else Tier.GPU
+        if n.busy and (n.state is not staged or n.cpu < 0):
+            _fail(f"{n}: a node being stored must be {staged.name} with its host block")
 
 
 def gpu_evictable(n: NodeView) -> bool:

@@ -94,6 +94,7 @@ class CacheSnapshot:
     cpu_free: list[int]
     gpu_idle: int  # GPU nodes no request holds
     num_nodes: int
+    external: bool  # the engine owns the GPU tier: nodes hold CPU copies and storage only
     requests: list[RequestView] = field(default_factory=list)
     stores: list[list[int]] = field(default_factory=list)  # node ids of each store in flight
 
@@ -104,7 +105,7 @@ class CacheSnapshot:
         return cls(raw["block_size"], namespace, raw["gpu_blocks"], raw["cpu_blocks"],
                    raw["clock"], nodes, tuple(raw["root_children"]), raw["gpu_lru"],
                    raw["cpu_lru"], raw["gpu_free"], raw["cpu_free"], raw["gpu_idle"],
-                   raw["num_nodes"], requests, stores)
+                   raw["num_nodes"], bool(raw["external"]), requests, stores)
 
     def by_hash(self) -> dict[bytes, NodeView]:
         return {n.hash: n for n in self.nodes.values()}

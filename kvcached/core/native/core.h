@@ -114,6 +114,11 @@ typedef struct {
     int32_t n_gpu_idle;     /* nodes in state GPU with ref 0 */
     int32_t block_size;
     int memo;               /* remember hash inputs (hash_memo) */
+    /* The engine owns the GPU tier (the vLLM connector): no GPU pool; nodes
+     * hold CPU copies and storage only. A save is SWAP_OUT (engine block ->
+     * host block in flight), a storage load SWAP_IN (storage -> host, then
+     * on to the engine's block), and neither holds a GPU block id. */
+    int external;
     int64_t evictions[EV_COUNT];
     int64_t dedup_blocks;
     int64_t memo_hits;      /* blocks whose hash the memo supplied */
@@ -150,7 +155,8 @@ typedef struct {
 } request_t;
 
 /* table.c */
-int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo);
+int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo,
+              int external);
 void core_free(core_t *c);
 int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]); /* NIL: no memory */
 void node_release(core_t *c, int32_t i);    /* unlink from parent and indexes, free the slot */
@@ -191,6 +197,12 @@ void core_drop_gpu_tier(core_t *c);
 void core_drop_cpu_tier(core_t *c);
 void core_forget_storage(core_t *c);
 int core_free_blocks(core_t *c, int tier, const int32_t *ids, int32_t n, int front);
+int32_t core_ext_save(core_t *c, request_t *r, int32_t upto, int32_t *nodes, int32_t *cpus,
+                      int32_t *blocks);
+void core_ext_finish_save(core_t *c, request_t *r, const int32_t *nodes, const int32_t *blocks,
+                          int32_t n, int ok);
+int32_t core_ext_plan_store(core_t *c, request_t *r, int32_t *nodes, int32_t *cpus);
+int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit);
 
 /* lru.c */
 int heap_init(leafheap_t *h, int tier);

@@ -377,9 +377,15 @@ static void core_dealloc(PyObject *self) {
 }
 
 static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"gpu_blocks", "cpu_blocks", "block_size", "memo", NULL};
-    int gpu, cpu, bs, memo = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii|p", kw, &gpu, &cpu, &bs, &memo)) return NULL;
+    static char *kw[] = {"gpu_blocks", "cpu_blocks", "block_size", "memo", "external", NULL};
+    int gpu, cpu, bs, memo = 1, external = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii|pp", kw, &gpu, &cpu, &bs, &memo, &external))
+        return NULL;
+    if (external && gpu != 0) {
+        PyErr_Format(PyExc_ValueError, "an external GPU tier has no GPU pool: gpu_blocks must be 0, "
+                     "got %d", gpu);
+        return NULL;
+    }
     if (gpu < 0 || cpu < 0 || bs <= 0) {
         PyErr_Format(PyExc_ValueError,
                      "gpu_blocks and cpu_blocks must be >= 0 and block_size > 0, got %d, %d, %d",
@@ -389,7 +395,7 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
     CoreObject *self = (CoreObject *)alloc(type, 0);
     if (self == NULL) return NULL;
-    if (core_init(&self->c, gpu, cpu, bs, memo) < 0) {
+    if (core_init(&self->c, gpu, cpu, bs, memo, external) < 0) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -692,7 +698,8 @@ static PyObject *Core_plan_load(PyObject *self, PyObject *const *args, Py_ssize_
     Py_ssize_t n_gpu;
     int32_t *gpu = ints_of(args[3], "gpu_ids", &n_gpu);
     if (gpu == NULL) return NULL;
-    if (start != r->n_path || want < 0 || start + want > r->n_hashes || want > n_gpu) {
+    if (start != r->n_path || want < 0 || start + want > r->n_hashes ||
+        (!CORE(self)->external && want > n_gpu)) {
         free(gpu);
         PyErr_Format(PyExc_ValueError, "plan_load: blocks %d..%d of a request with %d hashes and "
                      "%d path nodes, %zd gpu ids", (int)start, (int)(start + want),
@@ -872,6 +879,172 @@ VOID_METHOD(drop_gpu_tier, core_drop_gpu_tier)
 VOID_METHOD(drop_cpu_tier, core_drop_cpu_tier)
 VOID_METHOD(forget_storage, core_forget_storage)
 
+/* ------------------------------------------------- external GPU tier */
+
+/* The engine's block hashes appended to r as this cache's keys: each key is
+ * BLAKE2b-128(namespace || engine hash), so caches of different models or
+ * weights never share a block even when the engine's hashes agree. */
+static int append_hashes(core_t *c, request_t *r, PyObject *list) {
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "hashes must be a list of bytes");
+        return -1;
+    }
+    Py_ssize_t n = PyList_Size(list);
+    if (request_reserve(r, r->n_hashes + (int32_t)n, c->memo) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const uint8_t *h;
+        Py_ssize_t len;
+        if (bytes_arg(PyList_GetItem(list, k), "hash", &h, &len) < 0) return -1;
+        if (len < 1 || len > 256) {
+            PyErr_Format(PyExc_ValueError, "hash %zd has %zd bytes, expected 1..256", k, len);
+            return -1;
+        }
+        uint8_t input[HASH_LEN + 256];
+        memcpy(input, r->ns, HASH_LEN);
+        memcpy(input + HASH_LEN, h, (size_t)len);
+        int32_t b = r->n_hashes;
+        hash_bytes(input, HASH_LEN + (size_t)len, r->hashes + (size_t)b * HASH_LEN);
+        r->walk[b] = NIL;
+        if (r->records != NULL) r->records[b] = NULL;
+        r->n_hashes = b + 1;
+    }
+    return 0;
+}
+
+static PyObject *Core_request_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *ns;
+    Py_ssize_t ns_len;
+    if (nargs != 2 || bytes_arg(args[0], "namespace", &ns, &ns_len) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "request_hashes(namespace, hashes)");
+        return NULL;
+    }
+    if (ns_len != HASH_LEN) {
+        PyErr_Format(PyExc_ValueError, "namespace must be %d bytes, got %zd", HASH_LEN, ns_len);
+        return NULL;
+    }
+    PyObject *req = new_request(self, ns, (const uint8_t *)"", 0);
+    if (req == NULL) return NULL;
+    if (append_hashes(CORE(self), &((RequestObject *)req)->r, args[1]) < 0) {
+        Py_DECREF(req);
+        return NULL;
+    }
+    return req;
+}
+
+static PyObject *Core_add_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    request_t *r;
+    if (nargs != 2 || (r = request_arg(self, args[0])) == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "add_hashes(req, hashes)");
+        return NULL;
+    }
+    if (append_hashes(CORE(self), r, args[1]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_cpu_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t limit;
+    request_t *r;
+    if (nargs != 2 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "limit", &limit) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "cpu_prefix(req, limit)");
+        return NULL;
+    }
+    return PyLong_FromLong(core_cpu_prefix(CORE(self), r, limit));
+}
+
+static int need_external(PyObject *self) {
+    if (!CORE(self)->external) {
+        PyErr_SetString(PyExc_RuntimeError, "only a core with an external GPU tier saves this way");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Core_ext_save(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t upto;
+    request_t *r;
+    if (nargs != 2 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "upto", &upto) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ext_save(req, upto)");
+        return NULL;
+    }
+    if (need_external(self) < 0) return NULL;
+    int32_t room = upto > r->n_path ? upto - r->n_path : 1;
+    int32_t *nodes = malloc(sizeof(int32_t) * (size_t)room);
+    int32_t *cpus = malloc(sizeof(int32_t) * (size_t)room);
+    int32_t *blocks = malloc(sizeof(int32_t) * (size_t)room);
+    PyObject *out = NULL;
+    if (nodes == NULL || cpus == NULL || blocks == NULL) {
+        PyErr_NoMemory();
+    } else {
+        int32_t m = core_ext_save(CORE(self), r, upto, nodes, cpus, blocks);
+        out = Py_BuildValue("NNN", list_of(nodes, m), list_of(cpus, m), list_of(blocks, m));
+    }
+    free(nodes);
+    free(cpus);
+    free(blocks);
+    return out;
+}
+
+static PyObject *Core_ext_finish_save(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    request_t *r;
+    int ok;
+    if (nargs != 4 || (r = request_arg(self, args[0])) == NULL ||
+        (ok = PyObject_IsTrue(args[3])) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "ext_finish_save(req, nodes, blocks, ok)");
+        return NULL;
+    }
+    if (need_external(self) < 0) return NULL;
+    Py_ssize_t n, nb;
+    int32_t *nodes = ints_of(args[1], "nodes", &n);
+    int32_t *blocks = nodes ? ints_of(args[2], "blocks", &nb) : NULL;
+    PyObject *out = NULL;
+    if (blocks != NULL && nb != n) {
+        PyErr_SetString(PyExc_ValueError, "nodes and blocks differ in length");
+    } else if (blocks != NULL && check_nodes(CORE(self), nodes, n) == 0) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (CORE(self)->nodes[nodes[k]].state != S_SWAP_OUT) {
+                PyErr_Format(PyExc_ValueError, "node %d is not being saved", (int)nodes[k]);
+                break;
+            }
+        }
+        if (!PyErr_Occurred()) {
+            core_ext_finish_save(CORE(self), r, nodes, blocks, (int32_t)n, ok);
+            out = Py_NewRef(Py_None);
+        }
+    }
+    free(nodes);
+    free(blocks);
+    return out;
+}
+
+static PyObject *Core_ext_plan_store(PyObject *self, PyObject *arg) {
+    request_t *r = request_arg(self, arg);
+    if (r == NULL || need_external(self) < 0) return NULL;
+    int32_t room = r->n_path ? r->n_path : 1;
+    int32_t *nodes = malloc(sizeof(int32_t) * (size_t)room);
+    int32_t *cpus = malloc(sizeof(int32_t) * (size_t)room);
+    uint8_t *hashes = malloc((size_t)HASH_LEN * (size_t)room);
+    PyObject *out = NULL;
+    if (nodes == NULL || cpus == NULL || hashes == NULL) {
+        PyErr_NoMemory();
+    } else {
+        core_t *c = CORE(self);
+        int32_t m = core_ext_plan_store(c, r, nodes, cpus);
+        for (int32_t k = 0; k < m; k++)
+            memcpy(hashes + (size_t)k * HASH_LEN, N(c, nodes[k])->hash, HASH_LEN);
+        out = Py_BuildValue("NNN", list_of(nodes, m), list_of(cpus, m), hash_list(hashes, m));
+    }
+    free(nodes);
+    free(cpus);
+    free(hashes);
+    return out;
+}
+
 static PyObject *Core_counters(PyObject *self, PyObject *unused) {
     core_t *c = CORE(self);
     PyObject *ev = PyDict_New();
@@ -990,7 +1163,7 @@ static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
         }
     }
     free(stack);
-    return Py_BuildValue("{sNsNsNsNsNsNsisisisKsisi}", "nodes", nodes, "gpu_lru",
+    return Py_BuildValue("{sNsNsNsNsNsNsisisisKsisisi}", "nodes", nodes, "gpu_lru",
                          heap_order(&c->lru[T_GPU]), "cpu_lru", heap_order(&c->lru[T_CPU]),
                          "gpu_free", pool_ids(&c->pools[T_GPU]), "cpu_free",
                          pool_ids(&c->pools[T_CPU]), "root_children",
@@ -999,7 +1172,8 @@ static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
                          "num_nodes", (int)c->num_nodes, "gpu_idle", (int)c->n_gpu_idle,
                          "gpu_blocks", (int)c->pools[T_GPU].num_blocks, "clock",
                          (unsigned long long)c->clock, "cpu_blocks",
-                         (int)c->pools[T_CPU].num_blocks, "block_size", (int)c->block_size);
+                         (int)c->pools[T_CPU].num_blocks, "block_size", (int)c->block_size,
+                         "external", c->external);
 }
 
 /* The node of hash h, or -1 (tests and checks). */
@@ -1027,6 +1201,7 @@ INT_GETTER(batch_size, c->n_batch)
 INT_GETTER(block_size, c->block_size)
 INT_GETTER(gpu_blocks, c->pools[T_GPU].num_blocks)
 INT_GETTER(cpu_blocks, c->pools[T_CPU].num_blocks)
+INT_GETTER(external, c->external)
 
 static PyGetSetDef core_getset[] = {
     {"gpu_free", Core_get_gpu_free, NULL, "free GPU blocks", NULL},
@@ -1040,6 +1215,7 @@ static PyGetSetDef core_getset[] = {
     {"block_size", Core_get_block_size, NULL, "tokens per block", NULL},
     {"gpu_blocks", Core_get_gpu_blocks, NULL, "GPU pool size", NULL},
     {"cpu_blocks", Core_get_cpu_blocks, NULL, "CPU pool size", NULL},
+    {"external", Core_get_external, NULL, "1 when the engine owns the GPU tier", NULL},
     {NULL},
 };
 
@@ -1068,6 +1244,14 @@ static PyMethodDef core_methods[] = {
     {"drop_gpu_tier", Core_drop_gpu_tier, METH_NOARGS, "forget every GPU copy"},
     {"drop_cpu_tier", Core_drop_cpu_tier, METH_NOARGS, "forget every CPU copy"},
     {"forget_storage", Core_forget_storage, METH_NOARGS, "forget what storage holds"},
+    FAST(request_hashes, "request_hashes(namespace, engine_hashes) -> Request: a request whose "
+                         "blocks the engine hashed (keys: BLAKE2b(namespace || hash))"),
+    FAST(add_hashes, "add_hashes(req, engine_hashes): more blocks of the request"),
+    FAST(cpu_prefix, "cpu_prefix(req, limit) -> int: leading blocks the CPU tier holds"),
+    FAST(ext_save, "ext_save(req, upto) -> (nodes, cpu_ids, block positions) to copy"),
+    FAST(ext_finish_save, "ext_finish_save(req, nodes, blocks, ok)"),
+    {"ext_plan_store", Core_ext_plan_store, METH_O,
+     "ext_plan_store(req) -> (nodes, cpu_ids, hashes): write-through from host blocks"},
     {"counters", Core_counters, METH_NOARGS,
      "counters() -> {evictions, dedup_blocks, memo_hits, blocks_hashed}"},
     {"set_events", Core_set_events, METH_O, "set_events(on): record KV events"},

@@ -656,15 +656,20 @@ int32_t core_plan_load(core_t *c, request_t *r, int32_t start, int32_t n, const 
     for (int32_t k = 0; k < m; k++) {
         N(c, nodes[k])->in_storage = 1;
         N(c, nodes[k])->ref++;
-        set_state(c, nodes[k], S_SWAP_IN, gpu_ids[k], cpus[k]);
+        set_state(c, nodes[k], S_SWAP_IN, c->external ? NIL : gpu_ids[k], cpus[k]);
         r->path[r->n_path++] = nodes[k];
     }
     return m;
 }
 
 /* SWAP_IN -> GPU for nodes the request still references (no parent counter
- * changes, no GPU heap); the host copy stays as a backup. */
+ * changes, no GPU heap); the host copy stays as a backup. With an external
+ * GPU tier the host copy is what the node holds: SWAP_IN -> CPU. */
 static void land_fetch(core_t *c, const int32_t *nodes, int32_t n) {
+    if (c->external) {
+        for (int32_t k = 0; k < n; k++) set_state(c, nodes[k], S_CPU, KEEP, KEEP);
+        return;
+    }
     for (int32_t k = 0; k < n; k++) {
         node_t *x = N(c, nodes[k]);
         x->state = S_GPU;
@@ -806,7 +811,8 @@ int32_t core_plan_store(core_t *c, request_t *r, int32_t start, int32_t *nodes, 
 }
 
 /* A store task finished: stored[k] says whether every rank stored node k.
- * A failed task may have left the staging copy torn: it is not kept. */
+ * A failed task may have left a staging copy torn: it is not kept (with an
+ * external GPU tier the store only read the host copy, which stays). */
 void core_finish_store(core_t *c, const int32_t *nodes, int32_t n, const uint8_t *stored,
                        int ok) {
     for (int32_t k = 0; k < n; k++) {
@@ -815,7 +821,7 @@ void core_finish_store(core_t *c, const int32_t *nodes, int32_t n, const uint8_t
         if (ok) {
             N(c, i)->in_storage = stored[k] != 0;
             if (stored[k] && c->events_on) emit(c, 1, 2, N(c, i)->hash);
-        } else {
+        } else if (!c->external) {
             int32_t cpu = N(c, i)->cpu;
             set_state(c, i, N(c, i)->state, KEEP, NIL);
             pool_put(&c->pools[T_CPU], cpu);
@@ -886,4 +892,97 @@ int core_free_blocks(core_t *c, int tier, const int32_t *ids, int32_t n, int fro
         for (int32_t k = 0; k < n; k++) pool_put(p, ids[k]);
     }
     return -1;
+}
+
+/* -------------------------------------------------- external GPU tier */
+
+/* How many of the request's first blocks (at most limit) the CPU tier holds,
+ * ready to copy: the lookup of a connector, which must change nothing. */
+int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit) {
+    int32_t node = ROOT, k = 0;
+    if (limit > r->n_hashes) limit = r->n_hashes;
+    for (; k < limit; k++) {
+        int32_t ch = child_by_hash(c, node, r->hashes + (size_t)k * HASH_LEN);
+        if (ch == NIL || N(c, ch)->state != S_CPU) break;
+        node = ch;
+    }
+    return k;
+}
+
+/* Save the engine's computed blocks n_path .. upto-1 of the request into the
+ * CPU tier, extending the path it holds: a block the CPU tier has is only
+ * referenced; a new block (or one only storage holds) gets a host block and
+ * goes SWAP_OUT, to be copied from the engine's block. Stops at a block
+ * another request is moving (nothing hangs under an unfinished copy; a later
+ * save retries) or when no host block can be had. Returns how many copies;
+ * nodes/cpus name them and blocks their positions in the request. */
+int32_t core_ext_save(core_t *c, request_t *r, int32_t upto, int32_t *nodes, int32_t *cpus,
+                      int32_t *blocks) {
+    if (upto > r->n_hashes) upto = r->n_hashes;
+    if (ensure_path(r, upto) < 0) return 0;
+    int32_t m = 0, parent = r->n_path ? r->path[r->n_path - 1] : ROOT;
+    for (int32_t k = r->n_path; k < upto; k++) {
+        const uint8_t *h = r->hashes + (size_t)k * HASH_LEN;
+        int32_t i = child_by_hash(c, parent, h);
+        if (i != NIL && N(c, i)->state == S_CPU) {
+            ref_node(c, i);
+        } else if (i == NIL || N(c, i)->state == S_STORAGE) {
+            int32_t cpu = take_cpu_block(c);
+            if (cpu == NIL) break;
+            if (i == NIL) {
+                i = node_new(c, parent, h);
+                if (i == NIL) {
+                    pool_put_front(&c->pools[T_CPU], &cpu, 1);
+                    break;
+                }
+                take_record(c, r, i, k);
+            }
+            N(c, i)->ref++;
+            set_state(c, i, S_SWAP_OUT, KEEP, cpu);
+            nodes[m] = i;
+            cpus[m] = cpu;
+            blocks[m++] = k;
+        } else {
+            break; /* in flight for another request */
+        }
+        r->path[r->n_path++] = i;
+        parent = i;
+    }
+    return m;
+}
+
+/* A save's copy finished: its nodes go SWAP_OUT -> CPU. When it failed, the
+ * request's path is cut at the first of them and they go back to what
+ * storage holds (or leave the tree). */
+void core_ext_finish_save(core_t *c, request_t *r, const int32_t *nodes, const int32_t *blocks,
+                          int32_t n, int ok) {
+    if (ok) {
+        for (int32_t k = 0; k < n; k++) set_state(c, nodes[k], S_CPU, KEEP, KEEP);
+        return;
+    }
+    if (n && blocks[0] < r->n_path && r->path[blocks[0]] == nodes[0]) truncate_path(c, r, blocks[0]);
+    for (int32_t k = n - 1; k >= 0; k--) { /* deepest first: a parent after its children */
+        int32_t i = nodes[k], cpu = N(c, i)->cpu;
+        set_state(c, i, S_STORAGE, KEEP, NIL);
+        pool_put(&c->pools[T_CPU], cpu);
+        if (!N(c, i)->in_storage && N(c, i)->ref == 0) remove_node(c, i);
+    }
+}
+
+/* Write-through with an external GPU tier: the request's CPU copies that
+ * storage lacks are stored straight from their host blocks (busy until the
+ * store lands, so no tier evicts them). Returns how many. */
+int32_t core_ext_plan_store(core_t *c, request_t *r, int32_t *nodes, int32_t *cpus) {
+    int32_t m = 0;
+    for (int32_t k = 0; k < r->n_path; k++) {
+        int32_t i = r->path[k];
+        node_t *n = N(c, i);
+        if (n->state == S_CPU && n->busy == 0 && !n->in_storage) {
+            n->busy++;
+            refresh(c, i);
+            nodes[m] = i;
+            cpus[m++] = n->cpu;
+        }
+    }
+    return m;
 }

@@ -178,7 +178,8 @@ void node_release(core_t *c, int32_t i) {
     c->num_nodes--;
 }
 
-int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo) {
+int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo,
+              int external) {
     memset(c, 0, sizeof *c);
     c->cap = 1024;
     c->nodes = malloc(sizeof(node_t) * (size_t)c->cap);
@@ -199,6 +200,7 @@ int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_s
     c->n_slots = 1;
     c->block_size = block_size;
     c->memo = memo;
+    c->external = external;
     c->carry_leaf = NIL;
     return 0;
 }
