@@ -788,6 +788,8 @@ class CudaCopyEngine:
         if self._dev_table:
             attempt(self.lib.free, self._dev_table)
             self._dev_table = 0
+        # Let go of the memory we copied: an IPC mapping closes with its last tensor.
+        self._tensors, self._host_pool = [], None
         if errors:
             if quiet or self._broken is not None or any(
                     isinstance(e, CudaContextBroken) for e in errors):
