@@ -176,7 +176,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         """Host pools (and, with create_cache, the KV planes) belong to the engine
         process, so they outlive a crashed worker; stale ones of dead runs go first."""
         from kvcached.memory.hostpool import HostPool
-        from kvcached.memory.kvshare import allocate_kv_cache
+        from kvcached.memory.kvshare import allocate_kv_cache, rank_device
         from kvcached.memory.shm import cleanup_stale_segments
         cleanup_stale_segments()
         cleanup_stale_run_dirs()
@@ -186,8 +186,9 @@ class CacheManager(EvictionMixin, FetchMixin):
                 if cfg.num_cpu_blocks:
                     self._host_pools.append(HostPool.create(
                         self.run_dir, rank, cfg.num_cpu_blocks, layout.block_bytes))
-                if cfg.create_cache and cfg.device == "cpu":
-                    allocate_kv_cache(layout, cfg.num_gpu_blocks, rank, self.run_dir)
+                if cfg.create_cache:
+                    allocate_kv_cache(layout, cfg.num_gpu_blocks, rank, self.run_dir,
+                                      device=rank_device(cfg.device, rank))
                     self._created_planes.append(rank)
         except BaseException:
             self._release_shared_memory()
