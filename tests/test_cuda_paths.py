@@ -399,3 +399,31 @@ def test_fatal_error_fails_the_task_and_the_worker_restarts(faulty_workers, coun
         for p, o, n in zip(planes[r], offsets, sizes, strict=True):
             assert torch.equal(pools[r].tensor[dst, o:o + n],
                                p[src].contiguous().view(torch.uint8).view(count, -1))
+
+
+# ------------------------------------------------------------------ create_cache
+def test_rank_device(monkeypatch):
+    assert kvshare.rank_device("cpu", 3) == "cpu"
+    assert kvshare.rank_device("cuda:1", 3) == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [kvshare.rank_device("cuda", r) for r in range(4)] == [
+        "cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        kvshare.rank_device("cuda", 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_create_cache_on_cuda_without_a_gpu_fails_at_start(tmp_path):
+    """create_cache with device='cuda' allocates the planes in start(): without a GPU
+    it says so at once (it used to allocate nothing, and the workers waited for a
+    descriptor until they timed out), and leaves nothing behind."""
+    from kvcached.core.manager import CacheManager
+    from kvcached.memory import shm
+    cfg = tiny_config(device="cuda", create_cache=True, num_cpu_blocks=4,
+                      run_dir=str(tmp_path / "run"))
+    run = shm.run_id(cfg.run_dir)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        CacheManager(cfg).start()
+    assert not [p for p in shm.shm_dir().glob(f"{shm.PREFIX}*{run}*")]  # host pool removed
+    assert not kvshare.descriptor_path(cfg.run_dir, 0).exists()
