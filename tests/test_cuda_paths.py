@@ -293,6 +293,32 @@ def test_closing_an_executor_releases_cuda_mappings_in_order(tmp_path, monkeypat
     assert planes == [] and ex.planes is None and ex.engine is None and ex._event is None
 
 
+def test_close_raises_its_first_failure_unless_cuda_broke(tmp_path, monkeypatch):
+    """A failed release is an error, except after a fatal error (every CUDA call
+    fails then; the worker exits with its own code)."""
+    def close_planes(planes):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(cuda_ipc, "close_cuda_planes", close_planes)
+    ex = RankExecutor(cuda_cfg(tmp_path), tmp_path, 0)
+    ex.planes = ["p"]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ex.close()
+
+    class Broken:
+        def swap_out(self, *a, **kw):
+            raise kvc.CudaContextBroken("kvc_event_synchronize", 1700,
+                                        "cudaErrorIllegalAddress", "injected")
+
+        def close(self):
+            pass
+    ex = RankExecutor(cuda_cfg(tmp_path), tmp_path, 0)
+    ex.engine, ex.planes = Broken(), ["p"]
+    with pytest.raises(kvc.CudaContextBroken):
+        ex.run(Task("swap_out", [1], [2]))
+    ex.close()  # logged, not raised
+    assert ex.planes is None and ex.engine is None
+
+
 def test_cuda_engine_close_lets_go_of_the_planes(tmp_path):
     """A closed CudaCopyEngine holds no tensor: the IPC mapping can close."""
     import weakref

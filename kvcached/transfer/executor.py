@@ -45,6 +45,7 @@ class RankExecutor:
         self._event = None  # the engine's KV event every CUDA copy waits on (raw handle)
         self._event_opened = False  # opened from its IPC handle (ours to destroy)
         self._clock = None  # the event's generation clock (kvevent.EventClock)
+        self._broken: Exception | None = None  # a fatal error: CUDA is unusable here
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
@@ -137,6 +138,14 @@ class RankExecutor:
     def run(self, task: Task) -> dict[str, Any]:
         """Execute one task on this rank; returns {"bytes": n, ...} (the Done's
         elapsed_s times it)."""
+        try:
+            return self._run(task)
+        except Exception as e:
+            if getattr(e, "fatal", False):
+                self._broken = e  # close() then only logs what else fails
+            raise
+
+    def _run(self, task: Task) -> dict[str, Any]:
         if task.kind == "noop":
             return {"bytes": 0}
         if self.engine is None:
@@ -248,5 +257,7 @@ class RankExecutor:
         if planes is not None and self.cfg.device == "cuda":
             from kvcached.memory.cuda_ipc import close_cuda_planes
             attempt(close_cuda_planes, planes)
-        if errors and not any(getattr(e, "fatal", False) for e in errors):
+        # After a fatal error every CUDA call fails: what could be released was.
+        if errors and self._broken is None and not any(getattr(e, "fatal", False)
+                                                       for e in errors):
             raise errors[0]

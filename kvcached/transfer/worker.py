@@ -149,7 +149,10 @@ class Worker:
                 lane.join(timeout=max(0.0, deadline - time.monotonic()))
             sock.close()
             pull.close()
-            self.executor.close()
+            try:
+                self.executor.close()
+            except Exception as e:  # the exit code says why we stop, not this
+                logger.error("worker rank %d: closing its memory failed: %s", self.rank, e)
             logger.info("worker rank %d stopped: %s", self.rank, self.stop_reason)
 
     def _loop(self, sock: zmq.Socket, pull: zmq.Socket) -> int:
