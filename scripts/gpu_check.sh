@@ -10,12 +10,16 @@
 #   env          20  the GPU, nvcc, a Python whose torch sees the GPU
 #   build        90  python -m kvcached.copy.cuda --build (a cached build is reused)
 #   build_tests  45  tests/test_cuda_build.py (ptxas / PTX, validation, emulation)
-#   gpu_tests   180  tests/test_cuda_gpu.py: fails if any test is skipped
+#   gpu_tests   100  tests/test_cuda_gpu.py but its big grid: ordering, both directions,
+#                    > 4 GiB pools, a kernel fault, sleep/wakeup, create_cache, IPC, ...
+#   gpu_grid     80  tests/test_cuda_gpu.py's grid: dtype x size x count x mode vs indexed copy
+#                    (either GPU step fails if any test is skipped)
 #   sanitizer    70  compute-sanitizer --tool memcheck over the library-only kernel tests
 #   bench        75  scripts/bench_cuda.py --budget-s 55 (modes, GEMM next to copies, sweep)
-# Everything lands in $OUT as it happens: gpu_check.log (all output), summary.txt
-# (one line per finished step), build.json, <step>.xml (JUnit), bench.jsonl (one
-# line per measurement). Exit 0 only if every step passed.
+# Everything lands in $OUT as it happens: gpu_check.log (all output, a line per
+# test), summary.txt (one line per finished step), build.json, <step>.xml (JUnit;
+# a step that times out is interrupted with SIGINT, so pytest still writes what
+# ran), bench.jsonl (one line per measurement). Exit 0 only if every step passed.
 #
 # Without a GPU it is a dry run: it checks the plan and that the GPU tests still
 # import, says "no GPU", and exits 3.
@@ -34,7 +38,7 @@ export KVCACHED_CACHE_DIR="${KVCACHED_CACHE_DIR:-/tmp/kvcached-cache}"  # build 
 T0=$SECONDS
 FAILED=0
 # name:bound pairs, in order (the dry run checks that they fit the budget)
-PLAN="env:20 build:90 build_tests:45 gpu_tests:180 sanitizer:70 bench:75"
+PLAN="env:20 build:90 build_tests:45 gpu_tests:100 gpu_grid:80 sanitizer:70 bench:75"
 
 stamp() { echo "=== $(date -u +%FT%TZ) +$((SECONDS - T0))s $*"; }
 record() {  # record NAME RC [NOTE]
@@ -50,15 +54,18 @@ limit_for() {  # the step's bound, or what is left of the budget if less
     [ "$left" -lt "$bound" ] && bound=$left
     echo "$bound"
 }
-run_step() {  # run_step NAME CMD... : bounded; records its rc (124 = timed out)
+run_step() {  # run_step NAME CMD... : bounded; returns its rc (124 = timed out)
     local name=$1 limit rc
     shift
     limit=$(limit_for "$name")
-    if [ "$limit" -lt 5 ]; then record "$name" 124 "no time left in the budget"; return 124; fi
+    local start=$SECONDS
+    if [ "$limit" -lt 5 ]; then stamp "$name: no time left in the budget"; return 124; fi
     stamp "$name (limit ${limit}s): $*"
-    timeout -k 5 "$limit" "$@"
+    # SIGINT first: pytest then still writes its JUnit XML of what ran.
+    timeout -s INT -k 10 "$limit" "$@"
     rc=$?
-    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && stamp "$name TIMED OUT after ${limit}s"
+    # timeout says 124; a pytest interrupted by its SIGINT says 2; a kill says 137.
+    [ $((SECONDS - start)) -ge "$limit" ] && { stamp "$name TIMED OUT after ${limit}s"; rc=124; }
     return "$rc"
 }
 pytest_step() {  # pytest_step NAME ALLOW_SKIP_REGEX MIN_TESTS [PREFIX...] -- PYTEST_ARGS...
@@ -146,7 +153,11 @@ cat "$OUT/build.json"
 pytest_step build_tests "a GPU is present" 100 -- -q tests/test_cuda_build.py
 
 # ------------------------------------------------------------------ 4. GPU tests
-pytest_step gpu_tests "" 100 -- -v --durations=15 tests/test_cuda_gpu.py
+# The tests that prove most first; the big grid after (a timeout cuts the grid).
+pytest_step gpu_tests "" 25 -- -v --durations=10 tests/test_cuda_gpu.py \
+    -k "not test_matches_indexed_copy"
+pytest_step gpu_grid "" 84 -- -v --durations=10 tests/test_cuda_gpu.py \
+    -k test_matches_indexed_copy
 
 # ------------------------------------------------------------- 5. compute-sanitizer
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \

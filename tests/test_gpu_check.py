@@ -89,35 +89,62 @@ exec {python} "$@"
 """
 
 
-@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: run it")
-def test_a_run_whose_gpu_tests_skip_fails(tmp_path):
-    """Past the dry run (a fake nvidia-smi, a Python that claims a CUDA torch): the
-    build and the build tests pass, but skipped GPU tests, a missing sanitizer and
-    a benchmark that did not measure each fail their step, and the script."""
-    from kvcached.copy import cuda as kvc
-    from kvcached.copy.native_build import cache_dir
-    nvcc = kvc.find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found: the script's build step needs it")
+def fake_gpu_env(tmp_path, nvcc: str, **extra) -> dict:
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text(FAKE_SMI)
     (fake / "python").write_text(FAKE_PY.format(python=sys.executable))
     for f in fake.iterdir():
         f.chmod(0o755)
-    out = tmp_path / "out"
-    env = {"PATH": f"{fake}:{Path(nvcc).parent}:/usr/bin:/bin", "OUT": str(out),
-           "HOME": str(tmp_path), "PYTHON": str(fake / "python"),
-           "KVCACHED_CACHE_DIR": str(cache_dir())}  # reuse this session's build
+    from kvcached.copy.native_build import cache_dir
+    return {"PATH": f"{fake}:{Path(nvcc).parent}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+            "HOME": str(tmp_path), "PYTHON": str(fake / "python"),
+            "KVCACHED_CACHE_DIR": str(cache_dir()), **extra}  # reuse this session's build
+
+
+def step_rcs(out: Path) -> dict[str, int]:
+    lines = (out / "summary.txt").read_text().splitlines()
+    return {line.split(" rc=")[0]: int(line.split(" rc=")[1].split()[0])
+            for line in lines if " rc=" in line}
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: run it")
+def test_steps_get_no_more_than_the_budget_left(tmp_path):
+    from kvcached.copy import cuda as kvc
+    nvcc = kvc.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the script stops before its steps")
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=480)
+                         env=fake_gpu_env(tmp_path, nvcc, BUDGET_S="1"), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 1
+    rcs = step_rcs(tmp_path / "out")
+    assert rcs.pop("env") == 0 and len(rcs) == 6, rcs
+    if rcs["sanitizer"] == 1:  # not found: a failure whatever the budget
+        assert "compute-sanitizer not found" in (tmp_path / "out" / "summary.txt").read_text()
+        del rcs["sanitizer"]
+    assert set(rcs.values()) == {124}, rcs
+    assert "no time left in the budget" in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: run it")
+def test_a_run_whose_gpu_tests_skip_fails(tmp_path):
+    """Past the dry run (a fake nvidia-smi, a Python that claims a CUDA torch): the
+    build and the build tests pass, but skipped GPU tests, a missing sanitizer and
+    a benchmark that did not measure each fail their step, and the script."""
+    from kvcached.copy import cuda as kvc
+    nvcc = kvc.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the script's build step needs it")
+    out = tmp_path / "out"
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=tmp_path,
+                         env=fake_gpu_env(tmp_path, nvcc), capture_output=True, text=True,
+                         timeout=480)
     log = res.stdout + res.stderr
     assert res.returncode == 1, log[-4000:]
-    steps = dict(line.split(" rc=")[0:2] for line in (out / "summary.txt").read_text()
-                 .splitlines() if " rc=" in line)
-    rc = {name: int(v.split()[0]) for name, v in steps.items()}
-    assert rc == {"env": 0, "build": 0, "build_tests": 0, "gpu_tests": 1, "sanitizer": 1,
-                  "bench": 2}, rc
+    rc = step_rcs(out)
+    assert rc == {"env": 0, "build": 0, "build_tests": 0, "gpu_tests": 1, "gpu_grid": 1,
+                  "sanitizer": 1, "bench": 2}, rc
     assert "SKIPPED" in log  # the checker named the skipped GPU tests
     assert '"built": true' in (out / "build.json").read_text()
     assert (out / "gpu_tests.xml").exists() and (out / "bench.jsonl").exists()
