@@ -336,6 +336,27 @@ def test_cuda_engine_close_lets_go_of_the_planes(tmp_path):
     assert ref() is None
 
 
+def test_cuda_worker_never_copies_on_its_socket_thread(tmp_path):
+    """A CUDA copy may wait a forward pass for the engine's event: even a one-block
+    swap goes to its lane, so heartbeats and the other direction keep flowing."""
+    from kvcached.transfer.worker import Worker
+
+    class Sock:
+        sent: list = []
+
+        def send(self, frame, flags=0):
+            self.sent.append(frame)
+    for device, inline in (("cpu", True), ("cuda", False)):
+        w = Worker(tiny_config(device=device, run_dir=str(tmp_path)), tmp_path, 0, None)
+        w.executor.run = lambda task: {"bytes": 0}
+        sock = Sock()
+        sock.sent = []
+        w._run_task(sock, 1, "swap_out", [1], [2], {})
+        w._run_task(sock, 2, "noop", [], [], {})
+        assert len(sock.sent) == (2 if inline else 1), device  # a noop always inline
+        assert w.lanes["out"].tasks.qsize() == (0 if inline else 1), device
+
+
 # ------------------------------------------------------------------ faults
 def test_fatal_error_in_process_turns_the_transfer_unhealthy(tmp_path, monkeypatch):
     from kvcached.transfer.inprocess import InProcessTransfer

@@ -121,6 +121,10 @@ class Worker:
         self.tasks_failed = 0
         self.tasks_fast = 0  # of tasks_done, those served by the native fast path
         self.fatal = ""  # set (by any thread) when a task failed fatally: exit soon
+        # On CUDA a copy waits for the engine's KV event (up to a forward pass):
+        # never on the socket thread, where heartbeats and the other direction
+        # would wait with it.
+        self._inline_copies = cfg.device != "cuda"
         self._fatal_at = 0.0
 
     # --------------------------------------------------------------- running
@@ -319,7 +323,7 @@ class Worker:
                   dst: list[int], args: dict[str, Any]) -> None:
         """Run a task here (small ones, see ``_inline_ok``) or queue it on its lane."""
         lane = self.lanes[LANE_OF[kind]]
-        if self._inline_ok(kind, len(src), lane):
+        if self._inline_ok(kind, len(src), lane) and (self._inline_copies or kind == "noop"):
             self._send(sock, self.execute(task_id, kind, src, dst, args))  # no hand-offs
         else:
             lane.outstanding += 1
