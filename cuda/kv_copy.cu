@@ -793,27 +793,31 @@ int kvc_emulate_kernel(const kvc_task_t* task, const kvc_launch_t* launch) {
 
 int kvc_is_sticky(int status) {
   if (status <= KVC_ERR_CUDA_BASE) return 0;
-  switch (static_cast<cudaError_t>(status - KVC_ERR_CUDA_BASE)) {
-    // The errors driver_types.h documents as leaving the process unable to
-    // use CUDA ("must be terminated and relaunched"), plus an uncorrectable ECC error.
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorAssert:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchFailure:
-    case cudaErrorECCUncorrectable:
-    case cudaErrorContained:
-    case cudaErrorTensorMemoryLeak:
-    case cudaErrorMpsClientTerminated:
-    case cudaErrorExternalDevice:
-      return 1;
-    default:
-      return 0;
+  // The errors driver_types.h documents as leaving the process unable to use
+  // CUDA ("must be terminated and relaunched"), plus an uncorrectable ECC
+  // error. Numbers, not enumerators: some are newer than the oldest toolkit
+  // this builds with, and their values never change.
+  static const int kSticky[] = {
+      214,  // cudaErrorECCUncorrectable
+      226,  // cudaErrorContained
+      700,  // cudaErrorIllegalAddress
+      702,  // cudaErrorLaunchTimeout
+      710,  // cudaErrorAssert
+      714,  // cudaErrorHardwareStackError
+      715,  // cudaErrorIllegalInstruction
+      716,  // cudaErrorMisalignedAddress
+      717,  // cudaErrorInvalidAddressSpace
+      718,  // cudaErrorInvalidPc
+      719,  // cudaErrorLaunchFailure
+      721,  // cudaErrorTensorMemoryLeak
+      810,  // cudaErrorMpsClientTerminated
+      911,  // cudaErrorExternalDevice
+  };
+  const int err = status - KVC_ERR_CUDA_BASE;
+  for (const int e : kSticky) {
+    if (err == e) return 1;
   }
+  return 0;
 }
 
 // ---- thin runtime helpers ---------------------------------------------------
