@@ -148,3 +148,37 @@ def test_a_run_whose_gpu_tests_skip_fails(tmp_path):
     assert "SKIPPED" in log  # the checker named the skipped GPU tests
     assert '"built": true' in (out / "build.json").read_text()
     assert (out / "gpu_tests.xml").exists() and (out / "bench.jsonl").exists()
+
+
+NO_ZMQ = """
+import sys
+sys.modules["zmq"] = None      # the GPU machine has no pyzmq ...
+sys.modules["msgpack"] = None  # ... and maybe no msgpack
+import kvcached.copy.cuda, kvcached.memory.cuda_ipc, kvcached.memory.kvevent  # noqa
+from kvcached import CacheConfig, CacheManager
+from kvcached.transfer.inprocess import InProcessTransfer  # noqa
+cfg = CacheConfig.load(transfer_mode="inprocess", control_socket=False, storage_backend=None,
+                       create_cache=True, num_gpu_blocks=4, num_cpu_blocks=8,
+                       run_dir=sys.argv[1])
+with CacheManager(cfg) as mgr:
+    for i in range(6):  # enough requests to evict to the CPU tier and back
+        toks = [i] * 33
+        a = mgr.allocate(f"r{i}", toks)
+        a.wait(10)
+        mgr.commit(f"r{i}", toks, len(toks))
+        mgr.free(f"r{i}")
+    a = mgr.allocate("again", [0] * 33)
+    a.wait(10)
+    assert a.hit.cpu_tokens > 0, a.hit
+print("ok")
+"""
+
+
+def test_gpu_machine_imports_work_without_pyzmq(tmp_path):
+    """What tests/test_cuda_gpu.py needs (the copy engine, CUDA IPC, the KV event,
+    an in-process manager) imports and runs with zmq and msgpack unavailable."""
+    res = subprocess.run([sys.executable, "-c", NO_ZMQ, str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                              "HOME": str(tmp_path)})
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
