@@ -12,6 +12,13 @@
 // not warp-per-plane, keeps a 4-block grid busy whether a task is one 2 MiB
 // block or 1024 small ones, and consecutive warps take consecutive chunks,
 // so PCIe sees long sequential runs of the block-major host span.
+//
+// Per-task metadata never blocks the caller: the plane table is packed and
+// uploaded once per engine (kvc_pack_plane_table), a small task's ids ride in
+// the kernel parameters (a __grid_constant__ struct, read in place), and a
+// large task's ids go through pinned staging with one asynchronous copy.
+// kvc_emulate_kernel runs the same packing (pack_params, stage_ids) and the
+// same per-thread code on the CPU, so tests without a GPU cover both.
 
 #include <cuda_runtime.h>
 
@@ -46,7 +53,7 @@ constexpr int kLanes = 32;
 constexpr int kUnroll = 8;  // vectors in flight per lane: hides PCIe latency
 constexpr uint64_t kChunkBytes = kLanes * kUnroll * 16;  // 4 KiB per warp unit
 
-// Plane entry as the kernel reads it from the workspace (48 bytes, 16-aligned).
+// Plane entry of the packed plane table the kernel reads (48 bytes, 16-aligned).
 struct DevPlane {
   uint64_t dev_base;
   uint64_t dev_stride;
@@ -55,11 +62,11 @@ struct DevPlane {
   uint64_t chunk_begin;  // first chunk of this plane within one pair's chunks
   uint64_t pad;
 };
-static_assert(sizeof(DevPlane) == 48, "workspace layout");
+static_assert(sizeof(DevPlane) == 48, "plane table layout");
 
 struct KernelParams {
-  const DevPlane* planes;
-  const int32_t* src_ids;
+  const DevPlane* planes;   // the engine's uploaded plane table
+  const int32_t* src_ids;   // staged ids on the device, or null: ids are in inline_ids
   const int32_t* dst_ids;
   uint64_t host_base;
   uint64_t host_block_bytes;
@@ -67,7 +74,11 @@ struct KernelParams {
   int64_t total_units;     // count * units_per_pair
   int32_t num_planes;
   int32_t direction;
+  // Tasks of <= KVC_INLINE_PAIRS pairs: src ids, then dst ids at KVC_INLINE_PAIRS.
+  int32_t inline_ids[2 * KVC_INLINE_PAIRS];
 };
+// Far below the 4 KiB of kernel parameters every supported GPU accepts.
+static_assert(sizeof(KernelParams) <= 1024, "kernel parameter size");
 
 // ---------------------------------------------------------------------------
 // Kernel body (host + device, so kvc_emulate_kernel runs the same code).
@@ -150,8 +161,10 @@ KVC_HD void run_unit(const KernelParams& k, int64_t unit, int lane) {
   const DevPlane& p = k.planes[lo];
   const uint64_t off = (c - p.chunk_begin) * kChunkBytes;
   const uint64_t len = p.nbytes - off < kChunkBytes ? p.nbytes - off : kChunkBytes;
-  const uint64_t s = static_cast<uint64_t>(k.src_ids[pair]);
-  const uint64_t d = static_cast<uint64_t>(k.dst_ids[pair]);
+  const int32_t* src_ids = k.src_ids != nullptr ? k.src_ids : k.inline_ids;
+  const int32_t* dst_ids = k.dst_ids != nullptr ? k.dst_ids : k.inline_ids + KVC_INLINE_PAIRS;
+  const uint64_t s = static_cast<uint64_t>(src_ids[pair]);
+  const uint64_t d = static_cast<uint64_t>(dst_ids[pair]);
   const bool d2h = k.direction == KVC_D2H;
   const uint64_t dev_id = d2h ? s : d;
   const uint64_t host_id = d2h ? d : s;
@@ -161,7 +174,10 @@ KVC_HD void run_unit(const KernelParams& k, int64_t unit, int lane) {
   if (d2h) copy_span(host, dev, len, lane); else copy_span(dev, host, len, lane);
 }
 
-__global__ void __launch_bounds__(KVC_MAX_BLOCK_THREADS) kv_copy_kernel(KernelParams k) {
+// __grid_constant__: the parameters are read where they lie (the inline ids
+// are indexed by a runtime value, which would otherwise copy them to the stack).
+__global__ void __launch_bounds__(KVC_MAX_BLOCK_THREADS)
+    kv_copy_kernel(const __grid_constant__ KernelParams k) {
   const int lane = static_cast<int>(threadIdx.x) & (kLanes - 1);
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kLanes;
@@ -350,33 +366,100 @@ int validate_grid(int32_t grid_blocks, int32_t block_threads) {
   return KVC_OK;
 }
 
-// Workspace layout: DevPlane[num_planes] | src ids (16-aligned) | dst ids (16-aligned).
-uint64_t ids_bytes(int32_t count) { return (static_cast<uint64_t>(count) * 4 + 15) / 16 * 16; }
-
-// Fills the kernel's plane table (host copy) and returns the chunks per pair.
-int64_t build_plane_table(const kvc_task_t& t, DevPlane* out) {
-  uint64_t chunks = 0;
-  for (int i = 0; i < t.num_planes; ++i) {
-    const kvc_plane_t& p = t.planes[i];
-    out[i] = DevPlane{p.dev_base, p.dev_stride, p.nbytes, p.host_offset, chunks, 0};
-    chunks += (p.nbytes + kChunkBytes - 1) / kChunkBytes;
-  }
-  return static_cast<int64_t>(chunks);
+// Staged ids: src ids, then dst ids at the next 16-byte boundary.
+uint64_t staged_ids_offset(int32_t count) {
+  return (static_cast<uint64_t>(count) * 4 + 15) / 16 * 16;
 }
 
-KernelParams make_params(const kvc_task_t& t, const DevPlane* planes, const int32_t* src,
-                         const int32_t* dst, int64_t units_per_pair) {
-  KernelParams k;
-  k.planes = planes;
-  k.src_ids = src;
-  k.dst_ids = dst;
-  k.host_base = t.host_base;
-  k.host_block_bytes = t.host_block_bytes;
-  k.units_per_pair = units_per_pair;
-  k.total_units = units_per_pair * t.count;
-  k.num_planes = t.num_planes;
-  k.direction = t.direction;
-  return k;
+// FNV-1a over the plane entries: ties a launch's task to the table it quotes.
+uint64_t plane_fingerprint(const kvc_plane_t* planes, int32_t num_planes) {
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ULL;
+    }
+  };
+  mix(static_cast<uint64_t>(num_planes));
+  for (int32_t i = 0; i < num_planes; ++i) {
+    mix(planes[i].dev_base);
+    mix(planes[i].dev_stride);
+    mix(planes[i].nbytes);
+    mix(planes[i].host_offset);
+  }
+  return h;
+}
+
+uint64_t plane_chunks(const kvc_plane_t& p) { return (p.nbytes + kChunkBytes - 1) / kChunkBytes; }
+
+// Everything about a kernel launch except the CUDA calls, shared by
+// kvc_copy_kernel and kvc_emulate_kernel: validates the task and the launch
+// and fills the kernel parameters. `*upload` is the staging bytes to copy to
+// ids_dev (0: the ids are inline). Touches no memory but *k.
+int pack_params(const kvc_task_t* task, const kvc_launch_t* launch, KernelParams* k,
+                uint64_t* upload) {
+  int rc = validate(task);
+  if (rc != KVC_OK) return rc;
+  if (launch == nullptr) return fail(KVC_ERR_NULL_POINTER, "launch is null");
+  rc = validate_grid(launch->grid_blocks, launch->block_threads);
+  if (rc != KVC_OK) return rc;
+  if (launch->plane_table == nullptr) return fail(KVC_ERR_NULL_POINTER, "plane_table is null");
+  if (!aligned(reinterpret_cast<uint64_t>(launch->plane_table), 16)) {
+    return fail(KVC_ERR_MISALIGNED, "plane_table must be 16-byte aligned");
+  }
+  const kvc_task_t& t = *task;
+  if (launch->table_fingerprint != plane_fingerprint(t.planes, t.num_planes)) {
+    return fail(KVC_ERR_WORKSPACE, "the plane table was packed for other planes than the "
+                "task's (fingerprint mismatch): pack and upload it again");
+  }
+  std::memset(k, 0, sizeof(*k));
+  uint64_t chunks = 0;
+  for (int32_t i = 0; i < t.num_planes; ++i) chunks += plane_chunks(t.planes[i]);
+  k->planes = static_cast<const DevPlane*>(launch->plane_table);
+  k->host_base = t.host_base;
+  k->host_block_bytes = t.host_block_bytes;
+  k->units_per_pair = static_cast<int64_t>(chunks);
+  k->total_units = static_cast<int64_t>(chunks) * t.count;
+  k->num_planes = t.num_planes;
+  k->direction = t.direction;
+  if (t.count <= KVC_INLINE_PAIRS) {
+    std::memcpy(k->inline_ids, t.src_ids, 4 * static_cast<size_t>(t.count));
+    std::memcpy(k->inline_ids + KVC_INLINE_PAIRS, t.dst_ids, 4 * static_cast<size_t>(t.count));
+    *upload = 0;
+    return KVC_OK;
+  }
+  const uint64_t need = static_cast<uint64_t>(kvc_ids_bytes(t.count));
+  if (launch->ids_host == nullptr || launch->ids_dev == nullptr) {
+    return fail(KVC_ERR_NULL_POINTER, "a task of %d pairs (> %d) needs ids_host and ids_dev",
+                t.count, KVC_INLINE_PAIRS);
+  }
+  if (!aligned(reinterpret_cast<uint64_t>(launch->ids_host), 16) ||
+      !aligned(reinterpret_cast<uint64_t>(launch->ids_dev), 16)) {
+    return fail(KVC_ERR_MISALIGNED, "ids_host and ids_dev must be 16-byte aligned");
+  }
+  if (launch->ids_bytes < need) {
+    return fail(KVC_ERR_WORKSPACE, "id staging has %llu bytes, the task needs %llu",
+                (unsigned long long)launch->ids_bytes, (unsigned long long)need);
+  }
+  const char* dev = static_cast<const char*>(launch->ids_dev);
+  k->src_ids = reinterpret_cast<const int32_t*>(dev);
+  k->dst_ids = reinterpret_cast<const int32_t*>(dev + staged_ids_offset(t.count));
+  *upload = need;
+  return KVC_OK;
+}
+
+// Writes a staged task's ids into ids_host (the layout pack_params pointed at).
+void stage_ids(const kvc_task_t& t, const kvc_launch_t& launch) {
+  char* host = static_cast<char*>(launch.ids_host);
+  std::memcpy(host, t.src_ids, 4 * static_cast<size_t>(t.count));
+  std::memcpy(host + staged_ids_offset(t.count), t.dst_ids, 4 * static_cast<size_t>(t.count));
+}
+
+// The grid actually launched: no more blocks than there are units.
+unsigned int launch_grid(const KernelParams& k, const kvc_launch_t& launch) {
+  const int64_t warps_per_block = launch.block_threads / kLanes;
+  const int64_t useful = (k.total_units + warps_per_block - 1) / warps_per_block;
+  return static_cast<unsigned int>(std::min<int64_t>(launch.grid_blocks, useful));
 }
 
 // ---------------------------------------------------------------------------
@@ -569,12 +652,43 @@ const char* kvc_status_name(int status) {
 
 const char* kvc_last_error(void) { return g_error; }
 
-int64_t kvc_workspace_bytes(int32_t num_planes, int32_t count) {
-  if (num_planes <= 0 || num_planes > KVC_MAX_PLANES || count <= 0 || count > KVC_MAX_PAIRS) {
-    return -1;
+int64_t kvc_plane_table_bytes(int32_t num_planes) {
+  if (num_planes <= 0 || num_planes > KVC_MAX_PLANES) return -1;
+  return static_cast<int64_t>(sizeof(DevPlane)) * num_planes;
+}
+
+int kvc_pack_plane_table(const kvc_plane_t* planes, int32_t num_planes, void* out,
+                         uint64_t out_bytes, uint64_t* fingerprint) {
+  if (planes == nullptr || out == nullptr || fingerprint == nullptr) {
+    return fail(KVC_ERR_NULL_POINTER, "planes, out or fingerprint is null");
   }
-  return static_cast<int64_t>(sizeof(DevPlane) * static_cast<uint64_t>(num_planes) +
-                              2 * ids_bytes(count));
+  const int64_t need = kvc_plane_table_bytes(num_planes);
+  if (need < 0) {
+    return fail(KVC_ERR_BAD_PLANE_COUNT, "num_planes %d is outside [1, %d]", num_planes,
+                KVC_MAX_PLANES);
+  }
+  if (out_bytes < static_cast<uint64_t>(need)) {
+    return fail(KVC_ERR_WORKSPACE, "plane table buffer has %llu bytes, %lld needed",
+                (unsigned long long)out_bytes, (long long)need);
+  }
+  if (!aligned(reinterpret_cast<uint64_t>(out), 16)) {
+    return fail(KVC_ERR_MISALIGNED, "plane table buffer must be 16-byte aligned");
+  }
+  DevPlane* table = static_cast<DevPlane*>(out);
+  uint64_t chunks = 0;
+  for (int32_t i = 0; i < num_planes; ++i) {
+    const kvc_plane_t& p = planes[i];
+    table[i] = DevPlane{p.dev_base, p.dev_stride, p.nbytes, p.host_offset, chunks, 0};
+    chunks += plane_chunks(p);
+  }
+  *fingerprint = plane_fingerprint(planes, num_planes);
+  return ok();
+}
+
+int64_t kvc_ids_bytes(int32_t count) {
+  if (count <= 0 || count > KVC_MAX_PAIRS) return -1;
+  if (count <= KVC_INLINE_PAIRS) return 0;
+  return static_cast<int64_t>(2 * staged_ids_offset(count));
 }
 
 int kvc_validate_task(const kvc_task_t* task) {
@@ -582,55 +696,36 @@ int kvc_validate_task(const kvc_task_t* task) {
   return rc == KVC_OK ? ok() : rc;
 }
 
-int kvc_copy_kernel(const kvc_task_t* task, void* workspace, uint64_t workspace_bytes,
-                    int32_t grid_blocks, int32_t block_threads, void* stream, void* wait_event) {
-  int rc = validate(task);
+int kvc_copy_kernel(const kvc_task_t* task, const kvc_launch_t* launch, void* stream,
+                    void* wait_event) {
+  KernelParams k;
+  uint64_t upload = 0;
+  int rc = pack_params(task, launch, &k, &upload);
   if (rc != KVC_OK) return rc;
-  rc = validate_grid(grid_blocks, block_threads);
-  if (rc != KVC_OK) return rc;
-  if (workspace == nullptr) return fail(KVC_ERR_NULL_POINTER, "workspace is null");
-  if (!aligned(reinterpret_cast<uint64_t>(workspace), 16)) {
-    return fail(KVC_ERR_MISALIGNED, "workspace must be 16-byte aligned");
-  }
-  const uint64_t need = static_cast<uint64_t>(kvc_workspace_bytes(task->num_planes, task->count));
-  if (workspace_bytes < need) {
-    return fail(KVC_ERR_WORKSPACE, "workspace has %llu bytes, the task needs %llu",
-                (unsigned long long)workspace_bytes, (unsigned long long)need);
-  }
-  // Pack plane table and ids on the host, then one stream-ordered upload.
-  // cudaMemcpyAsync from pageable memory returns once the bytes are staged,
-  // so `staging` can go out of scope right after.
-  std::vector<unsigned char> staging;
-  try {
-    staging.resize(need);
-  } catch (const std::bad_alloc&) {
-    return fail(KVC_ERR_HOST_ALLOC, "out of host memory for %llu staging bytes",
-                (unsigned long long)need);
-  }
-  const uint64_t planes_bytes = sizeof(DevPlane) * static_cast<uint64_t>(task->num_planes);
-  const uint64_t idb = ids_bytes(task->count);
-  const int64_t upp = build_plane_table(*task, reinterpret_cast<DevPlane*>(staging.data()));
-  std::memcpy(staging.data() + planes_bytes, task->src_ids, 4 * static_cast<size_t>(task->count));
-  std::memcpy(staging.data() + planes_bytes + idb, task->dst_ids,
-              4 * static_cast<size_t>(task->count));
-
-  char* ws = static_cast<char*>(workspace);
-  const KernelParams k = make_params(*task, reinterpret_cast<const DevPlane*>(ws),
-                                     reinterpret_cast<const int32_t*>(ws + planes_bytes),
-                                     reinterpret_cast<const int32_t*>(ws + planes_bytes + idb),
-                                     upp);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // Upload before the event wait: the upload only touches our workspace, so
-  // it need not queue behind the engine's compute.
-  KVC_CUDA(cudaMemcpyAsync(workspace, staging.data(), need, cudaMemcpyHostToDevice, s),
-           "cudaMemcpyAsync(workspace)");
+  if (upload > 0) {
+    // The previous task's staging copy must have read ids_host before it is
+    // rewritten; it queued right behind that task's predecessor, so this is
+    // a wait only when the caller runs several tasks ahead.
+    if (launch->staging_event != nullptr) {
+      KVC_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(launch->staging_event)),
+               "cudaEventSynchronize(staging)");
+    }
+    stage_ids(*task, *launch);
+    // Pinned source: returns at once. Before the event wait: the copy touches
+    // only our staging, so it need not queue behind the engine's compute.
+    KVC_CUDA(cudaMemcpyAsync(launch->ids_dev, launch->ids_host, upload, cudaMemcpyHostToDevice,
+                             s),
+             "cudaMemcpyAsync(ids)");
+    if (launch->staging_event != nullptr) {
+      KVC_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(launch->staging_event), s),
+               "cudaEventRecord(staging)");
+    }
+  }
   rc = wait_on(s, wait_event);
   if (rc != KVC_OK) return rc;
-  // No more blocks than there are units: idle blocks would only cost launch time.
-  const int64_t warps_per_block = block_threads / kLanes;
-  const int64_t useful = (k.total_units + warps_per_block - 1) / warps_per_block;
-  const unsigned int grid = static_cast<unsigned int>(std::min<int64_t>(grid_blocks, useful));
-  kv_copy_kernel<<<grid, static_cast<unsigned int>(block_threads), 0, s>>>(k);
+  kv_copy_kernel<<<launch_grid(k, *launch), static_cast<unsigned int>(launch->block_threads), 0,
+                   s>>>(k);
   KVC_CUDA(cudaGetLastError(), "kv_copy_kernel launch");
   return ok();
 }
@@ -675,27 +770,54 @@ int kvc_emulate_direct(const kvc_task_t* task, int32_t use_batch) {
   return rc == KVC_OK ? ok() : rc;
 }
 
-int kvc_emulate_kernel(const kvc_task_t* task, int32_t grid_blocks, int32_t block_threads) {
-  int rc = validate(task);
+int kvc_emulate_kernel(const kvc_task_t* task, const kvc_launch_t* launch) {
+  KernelParams k;
+  uint64_t upload = 0;
+  const int rc = pack_params(task, launch, &k, &upload);
   if (rc != KVC_OK) return rc;
-  rc = validate_grid(grid_blocks, block_threads);
-  if (rc != KVC_OK) return rc;
-  std::vector<DevPlane> planes;
-  try {
-    planes.resize(static_cast<size_t>(task->num_planes));
-  } catch (const std::bad_alloc&) {
-    return fail(KVC_ERR_HOST_ALLOC, "out of host memory for the plane table");
+  if (upload > 0) {
+    stage_ids(*task, *launch);
+    std::memcpy(launch->ids_dev, launch->ids_host, upload);  // the staging copy
   }
-  const int64_t upp = build_plane_table(*task, planes.data());
-  const KernelParams k = make_params(*task, planes.data(), task->src_ids, task->dst_ids, upp);
-  // The same grid-stride walk as kv_copy_kernel, one (warp, lane) at a time.
-  const int64_t num_warps = static_cast<int64_t>(grid_blocks) * block_threads / kLanes;
+  // The same grid-stride walk as kv_copy_kernel over the grid it would launch,
+  // one (warp, lane) at a time.
+  const int64_t num_warps =
+      static_cast<int64_t>(launch_grid(k, *launch)) * launch->block_threads / kLanes;
   for (int64_t warp = 0; warp < num_warps; ++warp) {
     for (int lane = 0; lane < kLanes; ++lane) {
       for (int64_t u = warp; u < k.total_units; u += num_warps) run_unit(k, u, lane);
     }
   }
   return ok();
+}
+
+int kvc_is_sticky(int status) {
+  if (status <= KVC_ERR_CUDA_BASE) return 0;
+  // The errors driver_types.h documents as leaving the process unable to use
+  // CUDA ("must be terminated and relaunched"), plus an uncorrectable ECC
+  // error. Numbers, not enumerators: some are newer than the oldest toolkit
+  // this builds with, and their values never change.
+  static const int kSticky[] = {
+      214,  // cudaErrorECCUncorrectable
+      226,  // cudaErrorContained
+      700,  // cudaErrorIllegalAddress
+      702,  // cudaErrorLaunchTimeout
+      710,  // cudaErrorAssert
+      714,  // cudaErrorHardwareStackError
+      715,  // cudaErrorIllegalInstruction
+      716,  // cudaErrorMisalignedAddress
+      717,  // cudaErrorInvalidAddressSpace
+      718,  // cudaErrorInvalidPc
+      719,  // cudaErrorLaunchFailure
+      721,  // cudaErrorTensorMemoryLeak
+      810,  // cudaErrorMpsClientTerminated
+      911,  // cudaErrorExternalDevice
+  };
+  const int err = status - KVC_ERR_CUDA_BASE;
+  for (const int e : kSticky) {
+    if (err == e) return 1;
+  }
+  return 0;
 }
 
 // ---- thin runtime helpers ---------------------------------------------------
@@ -715,6 +837,38 @@ int kvc_device_count(int32_t* count) {
 
 int kvc_set_device(int32_t device) {
   KVC_CUDA(cudaSetDevice(device), "cudaSetDevice");
+  return ok();
+}
+
+int kvc_get_device(int32_t* device) {
+  KVC_REQUIRE(device != nullptr, "device is null");
+  int d = 0;
+  KVC_CUDA(cudaGetDevice(&d), "cudaGetDevice");
+  *device = d;
+  return ok();
+}
+
+int kvc_device_uuid(int32_t device, uint8_t* out_uuid) {
+  KVC_REQUIRE(out_uuid != nullptr, "out_uuid is null");
+  cudaDeviceProp prop;
+  KVC_CUDA(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  static_assert(sizeof(prop.uuid) == KVC_UUID_BYTES, "cudaUUID_t size");
+  std::memcpy(out_uuid, &prop.uuid, KVC_UUID_BYTES);
+  return ok();
+}
+
+int kvc_device_pci_bus_id(int32_t device, char* out, int32_t len) {
+  KVC_REQUIRE(out != nullptr, "out is null");
+  if (len < 13) return fail(KVC_ERR_BAD_ARGUMENT, "a PCI bus id needs >= 13 bytes, got %d", len);
+  KVC_CUDA(cudaDeviceGetPCIBusId(out, len, device), "cudaDeviceGetPCIBusId");
+  return ok();
+}
+
+int kvc_pointer_type(const void* ptr, int32_t* type) {
+  KVC_REQUIRE(type != nullptr, "type is null");
+  cudaPointerAttributes attr;
+  KVC_CUDA(cudaPointerGetAttributes(&attr, ptr), "cudaPointerGetAttributes");
+  *type = static_cast<int32_t>(attr.type);
   return ok();
 }
 

@@ -25,7 +25,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or struct below changes; Python checks it. */
-#define KVC_ABI_VERSION 1
+#define KVC_ABI_VERSION 2
 
 #define KVC_HOST_ALIGN 16          /* host pool base, block bytes, plane offsets */
 #define KVC_MAX_PLANES 4096        /* layers x (K, V, scale) of any real model fits */
@@ -33,6 +33,8 @@ extern "C" {
 #define KVC_MAX_GRID_BLOCKS 1024   /* the grid is meant to be small: it shares SMs */
 #define KVC_MAX_BLOCK_THREADS 512  /* the kernel's __launch_bounds__ (spill-free registers) */
 #define KVC_IPC_HANDLE_BYTES 64    /* cudaIpcMemHandle_t / cudaIpcEventHandle_t */
+#define KVC_INLINE_PAIRS 64        /* tasks this small carry their ids in the kernel parameters */
+#define KVC_UUID_BYTES 16          /* cudaUUID_t */
 
 typedef enum kvc_status {
   KVC_OK = 0,
@@ -45,7 +47,8 @@ typedef enum kvc_status {
   KVC_ERR_BAD_PLANE = 7,       /* a plane entry is inconsistent (size, stride, span) */
   KVC_ERR_BAD_DIRECTION = 8,   /* direction is neither KVC_D2H nor KVC_H2D */
   KVC_ERR_BAD_GRID = 9,        /* grid blocks / threads per block out of range */
-  KVC_ERR_WORKSPACE = 10,      /* workspace smaller than kvc_workspace_bytes() */
+  KVC_ERR_WORKSPACE = 10,      /* id staging smaller than kvc_ids_bytes(), or a plane
+                                  table that was packed for other planes */
   KVC_ERR_BAD_POOL = 11,       /* pool sizes <= 0, host block bytes 0, address overflow */
   KVC_ERR_HOST_ALLOC = 12,     /* the launcher could not allocate host scratch memory */
   KVC_ERR_BAD_ARGUMENT = 13,   /* any other invalid argument (sizes, flags) */
@@ -90,19 +93,46 @@ const char* kvc_status_name(int status); /* "KVC_ERR_MISALIGNED", "cudaErrorNoDe
 const char* kvc_last_error(void);        /* detail of this thread's last failure */
 
 /* ---- copies --------------------------------------------------------------- */
-/* Bytes of device workspace the kernel path needs, or -1 for invalid sizes. */
-int64_t kvc_workspace_bytes(int32_t num_planes, int32_t count);
+/* The kernel path reads a packed plane table from device memory. An engine
+ * packs it once (kvc_pack_plane_table), uploads it once, and passes its
+ * device address and fingerprint with every launch: no per-task upload of
+ * the table. A task's ids travel in the kernel parameters when it has at most
+ * KVC_INLINE_PAIRS pairs; larger tasks stage them in pinned host memory
+ * (ids_host) from which one asynchronous copy moves them to ids_dev, so the
+ * caller never waits for a pageable upload. */
+typedef struct kvc_launch {
+  const void* plane_table;    /* device address of the uploaded table (host address to emulate) */
+  uint64_t table_fingerprint; /* what kvc_pack_plane_table returned for these planes */
+  void* ids_host;             /* pinned staging for ids (NULL: inline tasks only) */
+  void* ids_dev;              /* device buffer the staging is copied to (host to emulate) */
+  uint64_t ids_bytes;         /* capacity of ids_host and of ids_dev, each */
+  void* staging_event;        /* cudaEvent_t: recorded after each staging copy and waited
+                                 for before the staging is rewritten (NULL: never waits) */
+  int32_t grid_blocks;        /* <= KVC_MAX_GRID_BLOCKS (fewer are launched for small tasks) */
+  int32_t block_threads;      /* a multiple of 32, <= KVC_MAX_BLOCK_THREADS */
+} kvc_launch_t;
+
+/* Bytes of a packed plane table, or -1 for a plane count out of range. */
+int64_t kvc_plane_table_bytes(int32_t num_planes);
+
+/* Packs the kernel's plane table into `out` (host memory, 16-byte aligned,
+ * kvc_plane_table_bytes() long) and returns its fingerprint, which every
+ * launch must quote: a launch whose task names other planes is refused. */
+int kvc_pack_plane_table(const kvc_plane_t* planes, int32_t num_planes, void* out,
+                         uint64_t out_bytes, uint64_t* fingerprint);
+
+/* Staging bytes (ids_host / ids_dev each) a task of `count` pairs needs:
+ * 0 when its ids go inline, -1 for a count out of range. */
+int64_t kvc_ids_bytes(int32_t count);
 
 /* Validates a task without touching any device. */
 int kvc_validate_task(const kvc_task_t* task);
 
-/* Kernel path: one launch of grid_blocks x block_threads on `stream` (a
- * cudaStream_t; NULL = legacy default stream), after waiting on `wait_event`
- * (a cudaEvent_t, may be NULL). `workspace` is device memory of at least
- * kvc_workspace_bytes(); it is reused stream-ordered, so one workspace per
- * stream. Returns once the work is enqueued. */
-int kvc_copy_kernel(const kvc_task_t* task, void* workspace, uint64_t workspace_bytes,
-                    int32_t grid_blocks, int32_t block_threads, void* stream,
+/* Kernel path: one launch on `stream` (a cudaStream_t; NULL = legacy default
+ * stream) after waiting on `wait_event` (a cudaEvent_t, may be NULL). The id
+ * staging is used stream-ordered: one launch struct per stream. Returns once
+ * the work is enqueued. */
+int kvc_copy_kernel(const kvc_task_t* task, const kvc_launch_t* launch, void* stream,
                     void* wait_event);
 
 /* Direct path: cudaMemcpy2DAsync per (run of consecutive ids, plane), or
@@ -110,16 +140,27 @@ int kvc_copy_kernel(const kvc_task_t* task, void* workspace, uint64_t workspace_
  * back to per-run copies on the legacy default stream). */
 int kvc_copy_direct(const kvc_task_t* task, int32_t use_batch, void* stream, void* wait_event);
 
-/* Runs the kernel's exact per-thread code on the CPU over host addresses
- * (dev_base and host_base are plain host pointers). For tests without a GPU. */
-int kvc_emulate_kernel(const kvc_task_t* task, int32_t grid_blocks, int32_t block_threads);
+/* The kernel path on the CPU: the same validation and parameter packing as
+ * kvc_copy_kernel (ids inline or staged, the staging "uploaded" with memcpy),
+ * then the kernel's exact per-thread code over host addresses (plane_table,
+ * ids_dev, dev_base and host_base are plain host pointers). For tests without a GPU. */
+int kvc_emulate_kernel(const kvc_task_t* task, const kvc_launch_t* launch);
 
 /* Runs the direct path's copy plan (runs / batch segments) with memcpy on the CPU. */
 int kvc_emulate_direct(const kvc_task_t* task, int32_t use_batch);
 
+/* 1 when `status` is a CUDA error after which the context is unusable (an
+ * illegal address in a kernel, ...): every later call fails the same way and
+ * only a new process can use the GPU again. */
+int kvc_is_sticky(int status);
+
 /* ---- thin CUDA runtime helpers (each returns a kvc_status) -------------- */
 int kvc_device_count(int32_t* count);
 int kvc_set_device(int32_t device);
+int kvc_get_device(int32_t* device);
+int kvc_device_uuid(int32_t device, uint8_t* out_uuid);           /* KVC_UUID_BYTES */
+int kvc_device_pci_bus_id(int32_t device, char* out, int32_t len); /* "0000:3b:00.0" */
+int kvc_pointer_type(const void* ptr, int32_t* type); /* cudaMemoryType: 0 = not CUDA memory */
 int kvc_malloc(uint64_t nbytes, void** out);
 int kvc_free(void* ptr);
 int kvc_host_alloc(uint64_t nbytes, void** out); /* pinned, mapped, portable */

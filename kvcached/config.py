@@ -24,6 +24,8 @@ TRANSFER_MODES = ("workers", "inprocess")
 STORAGE_BACKENDS = (None, "file", "mooncake", "redis")
 DEVICES = ("cpu", "cuda")
 LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
+CUDA_COPY_MODES = ("kernel", "direct", "batch")  # kvcached.copy.cuda.MODES
+CUDA_MAX_GRID_BLOCKS, CUDA_MAX_BLOCK_THREADS = 1024, 512  # kv_copy.h
 
 
 @dataclass(slots=True)
@@ -55,6 +57,10 @@ class CacheConfig:
     task_timeout_s: float = 30.0
     max_worker_restarts: int = 3
     copy_threads: int = 2
+    cuda_copy_d2h: str = "batch"
+    cuda_copy_h2d: str = "kernel"
+    cuda_grid_blocks: int = 4
+    cuda_block_threads: int = 256
     hash_memo: bool = True
     storage_backend: str | None = "file"
     storage_url: str = ""
@@ -121,6 +127,7 @@ class CacheConfig:
         _choice(self, "transfer_mode", TRANSFER_MODES)
         _choice(self, "storage_backend", STORAGE_BACKENDS)
         _choice(self, "storage_load_policy", LOAD_POLICIES)
+        _check_cuda_copy(self)
         if self.storage_backend in ("mooncake", "redis") and not self.storage_url:
             raise ValueError(
                 f"storage_url must be set for storage_backend={self.storage_backend!r} "
@@ -221,6 +228,18 @@ def _choice(cfg: CacheConfig, name: str, allowed: tuple) -> None:
     if v not in allowed:
         shown = ", ".join("none" if a is None else repr(a) for a in allowed)
         raise ValueError(f"{name} must be one of {shown}; got {v!r}")
+
+
+def _check_cuda_copy(cfg: CacheConfig) -> None:
+    _choice(cfg, "cuda_copy_d2h", CUDA_COPY_MODES)
+    _choice(cfg, "cuda_copy_h2d", CUDA_COPY_MODES)
+    if not 1 <= cfg.cuda_grid_blocks <= CUDA_MAX_GRID_BLOCKS:
+        raise ValueError(f"cuda_grid_blocks must be in 1..{CUDA_MAX_GRID_BLOCKS} (a small grid "
+                         f"leaves the SMs to the model), got {cfg.cuda_grid_blocks}")
+    t = cfg.cuda_block_threads
+    if not 32 <= t <= CUDA_MAX_BLOCK_THREADS or t % 32:
+        raise ValueError(f"cuda_block_threads must be a multiple of 32 in 32.."
+                         f"{CUDA_MAX_BLOCK_THREADS}, got {t}")
 
 
 def available_host_memory() -> int:

@@ -1,24 +1,27 @@
-"""Bandwidth of the CUDA copy engine: kernel vs direct (cudaMemcpy) vs one contiguous copy.
+"""The CUDA copy engine per direction and mode, alone and next to a GEMM.
 
-    python scripts/bench_cuda.py [--planes 4] [--max-gib 2] [--out result.json]
+    python scripts/bench_cuda.py [--planes 4] [--budget-s 60] [--out bench.jsonl]
 
-Builds the library (cached), then for every "block size" (the contiguous bytes
-of one block in one plane: 4 KiB ... 2 MiB) and block count (1 ... 1024)
-moves ``count`` random, non-contiguous blocks of ``--planes`` planes between
-device memory and a pinned host pool, both directions, with:
+Phases, the most important first; each stops when the time budget is spent:
 
-- ``kernel``: one launch (default grid 4 x 256);
-- ``direct``: cudaMemcpy2DAsync per run of consecutive ids and plane
-  (random ids: one copy per block-plane), and ``batch`` (cudaMemcpyBatchAsync)
-  when the toolkit has it;
-- ``contiguous``: one cudaMemcpyAsync of the same number of bytes between
-  contiguous pinned host and device buffers: the ceiling.
+1. ``modes``: per representative shape (bytes of one block-plane x blocks per
+   task, random non-contiguous ids) and direction, GB/s of ``kernel``,
+   ``direct`` (cudaMemcpy per run) and ``batch`` (cudaMemcpyBatchAsync; the
+   per-run copies where the toolkit lacks it), and of one contiguous
+   cudaMemcpyAsync of the same bytes (the ceiling).
+2. ``gemm``: a bf16 GEMM loop (torch) on its own stream, alone, then while
+   each mode copies back to back in each direction: the copy's GB/s under
+   load and the GEMM's slowdown. ``recommended`` per direction: the fastest
+   copy under load among the modes that slow the GEMM least (within 5%).
+3. ``sweep``: every block-plane size x count and the kernel's grid shapes.
 
-Times are wall clock per task including the Python call and a stream
-synchronize (what a transfer worker pays). Prints ONE JSON line on stdout
-(progress goes to stderr). Needs no CUDA build of torch (only an importable
-torch, as all of kvcached): device and pinned memory come from the library. Without a GPU it prints
-``{"bench": "cuda", "skipped": "no CUDA device", ...}`` and exits 0.
+Times are wall clock per task including the Python call and the wait on the
+task's completion event (what a transfer worker pays). Each measurement is
+appended to ``--out`` as one JSON line the moment it is taken, so a timeout
+still leaves what ran; the last line (also printed on stdout) is the summary.
+
+Exit status: 0 when phases 1 and 2 measured; 2 without a GPU (``"skipped"``);
+1 on any error or when the budget ended before phase 2 (the JSON says which).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -36,23 +41,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcached.copy import cuda as kvc  # noqa: E402
 
+MODES = ("kernel", "direct", "batch")
+SHAPES = [(16 << 10, 256), (64 << 10, 256), (2 << 20, 16)]  # (block-plane bytes, blocks)
 BLOCK_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20]
 COUNTS = [1, 16, 64, 256, 1024]
 GRID_SWEEP = [(1, 256), (2, 256), (4, 256), (8, 256), (16, 256), (4, 512), (32, 256)]
+GEMM_SHAPE = (64 << 10, 256)  # the copy that runs next to the GEMM: 64 MiB at 4 planes
+GEMM_N, GEMM_ITERS = 8192, 100
 MIN_TIME_S, MAX_REPS = 0.05, 50
-BUDGET_S = 240.0  # the whole run must stay under 5 minutes; stop sweeping after this
+EXIT_ERROR, EXIT_NO_GPU = 1, 2
+SLOWDOWN_SLACK = 0.05
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def skip(skipped: str, out: Path | None, **extra) -> int:
-    line = json.dumps({"bench": "cuda", "skipped": skipped, **extra})
-    print(line)
-    if out:
-        out.write_text(line + "\n")
-    return 0
+class Recorder:
+    """Appends each record to --out as one JSON line, at once."""
+
+    def __init__(self, out: Path | None):
+        self.out = out
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("")
+
+    def __call__(self, record: dict) -> dict:
+        line = json.dumps(record)
+        log(line)
+        if self.out:
+            with open(self.out, "a") as f:
+                f.write(line + "\n")
+        return record
+
+    def finish(self, summary: dict, code: int) -> int:
+        line = json.dumps(summary)
+        print(line, flush=True)
+        if self.out:
+            with open(self.out, "a") as f:
+                f.write(line + "\n")
+        return code
 
 
 def gpu_name() -> str | None:
@@ -64,14 +92,12 @@ def gpu_name() -> str | None:
         return None
 
 
-def timed(fn, lib: kvc.KvcLib, stream: int) -> float:
+def timed(fn) -> float:
     """Seconds per call: one warm-up, then repeat for MIN_TIME_S (2..MAX_REPS calls)."""
     fn()
-    lib.stream_synchronize(stream)
     reps, start = 0, time.perf_counter()
     while True:
         fn()
-        lib.stream_synchronize(stream)
         reps += 1
         elapsed = time.perf_counter() - start
         if reps >= MAX_REPS or (reps >= 2 and elapsed >= MIN_TIME_S):
@@ -79,135 +105,228 @@ def timed(fn, lib: kvc.KvcLib, stream: int) -> float:
 
 
 class Pools:
-    """Device planes and a pinned host pool for one block size, sized for max_count."""
+    """Device planes and a pinned host pool for one block-plane size."""
 
     def __init__(self, lib: kvc.KvcLib, planes: int, block: int, max_count: int):
-        self.lib, self.block = lib, block
+        self.lib, self.block, self.nplanes = lib, block, planes
         self.num_blocks = 2 * max_count  # ids drawn from twice the count: scattered
         self.plane_span = self.num_blocks * block
         self.dev = lib.malloc(planes * self.plane_span)
-        self.host_block = planes * block  # block-major: [num_blocks][planes][block]
-        self.host = lib.host_alloc(self.num_blocks * self.host_block)
+        try:
+            self.host_block = planes * block  # block-major: [num_blocks][planes][block]
+            self.host = lib.host_alloc(self.num_blocks * self.host_block)
+        except BaseException:
+            lib.free(self.dev)
+            raise
         self.planes = [kvc.CudaPlane(self.dev + p * self.plane_span, block, block)
                        for p in range(planes)]
         self.offsets = [p * block for p in range(planes)]
 
-    def engine(self, **kw) -> kvc.CudaCopyEngine:
+    def engine(self, mode, **kw) -> kvc.CudaCopyEngine:
         return kvc.CudaCopyEngine(self.planes, self.host, self.offsets,
                                   host_block_bytes=self.host_block,
                                   num_host_blocks=self.num_blocks,
-                                  num_device_blocks=self.num_blocks, lib=self.lib, **kw)
+                                  num_device_blocks=self.num_blocks, lib=self.lib, mode=mode,
+                                  **kw)
+
+    def ids(self, count: int, rng) -> tuple[np.ndarray, np.ndarray]:
+        return (rng.choice(self.num_blocks, count, replace=False),
+                rng.choice(self.num_blocks, count, replace=False))
 
     def free(self) -> None:
         self.lib.free(self.dev)
         self.lib.host_free(self.host)
 
 
-def bench_size(lib, pools: Pools, engines: dict, stream: int, count: int, rng) -> dict:
-    nbytes = count * len(pools.planes) * pools.block
-    dev_ids = rng.choice(pools.num_blocks, count, replace=False)
-    host_ids = rng.choice(pools.num_blocks, count, replace=False)
-    row = {"block_bytes": pools.block, "count": count, "bytes": nbytes}
-    for name, eng in engines.items():
-        for d, fn in (("d2h", lambda e=eng: e.swap_out(dev_ids, host_ids, sync=False)),
-                      ("h2d", lambda e=eng: e.swap_in(host_ids, dev_ids, sync=False))):
-            row[f"{name}_{d}_gbps"] = round(nbytes / timed(fn, lib, eng.stream) / 1e9, 3)
+def copy_fn(engine: kvc.CudaCopyEngine, direction: str, dev_ids, host_ids):
+    if direction == "d2h":
+        return lambda: engine.swap_out(dev_ids, host_ids)
+    return lambda: engine.swap_in(host_ids, dev_ids)
+
+
+def measure_shape(lib, pools: Pools, count: int, rng, stream: int, record,
+                  phase: str) -> None:
+    """GB/s of every mode and of the contiguous ceiling, both directions."""
+    nbytes = count * pools.nplanes * pools.block
+    dev_ids, host_ids = pools.ids(count, rng)
+    for mode in MODES:
+        with pools.engine(mode) as eng:
+            for d in ("d2h", "h2d"):
+                t = timed(copy_fn(eng, d, dev_ids, host_ids))
+                record({"phase": phase, "mode": mode, "dir": d, "block_bytes": pools.block,
+                        "count": count, "bytes": nbytes, "gbps": round(nbytes / t / 1e9, 3),
+                        "us_per_task": round(t * 1e6, 1)})
     for d, (dst, src) in (("d2h", (pools.host, pools.dev)), ("h2d", (pools.dev, pools.host))):
-        t = timed(lambda dst=dst, src=src: lib.memcpy_async(dst, src, nbytes, stream), lib, stream)
-        row[f"contiguous_{d}_gbps"] = round(nbytes / t / 1e9, 3)
+        def one(dst=dst, src=src):
+            lib.memcpy_async(dst, src, nbytes, stream)
+            lib.stream_synchronize(stream)
+        t = timed(one)
+        record({"phase": phase, "mode": "contiguous", "dir": d, "block_bytes": pools.block,
+                "count": count, "bytes": nbytes, "gbps": round(nbytes / t / 1e9, 3),
+                "us_per_task": round(t * 1e6, 1)})
+
+
+class Gemm:
+    """A bf16 GEMM loop on its own torch stream; ms per GEMM from CUDA events."""
+
+    def __init__(self, n: int):
+        import torch
+        if not torch.cuda.is_available():
+            raise RuntimeError("the GEMM phase needs torch with CUDA (torch.cuda.is_available() "
+                               f"is False for torch {torch.__version__})")
+        self.torch = torch
+        self.stream = torch.cuda.Stream()
+        self.a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        self.c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+        self.run(5)  # warm-up (cuBLAS heuristics, clocks)
+
+    def run(self, iters: int) -> float:
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            for _ in range(iters):
+                torch.mm(self.a, self.b, out=self.c)
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+
+
+def gemm_phase(lib, pools: Pools, rng, record, deadline: float) -> dict:
+    """Copy GB/s and GEMM slowdown per (mode, direction); the recommendation."""
+    gemm = Gemm(GEMM_N)
+    alone = gemm.run(GEMM_ITERS)
+    record({"phase": "gemm", "mode": "none", "dir": "none", "gemm_ms": round(alone, 3)})
+    count = GEMM_SHAPE[1]
+    dev_ids, host_ids = pools.ids(count, rng)
+    nbytes = count * pools.nplanes * pools.block
+    rows = []
+    for mode in MODES:
+        for d in ("d2h", "h2d"):
+            if time.monotonic() > deadline:
+                return {"rows": rows, "complete": False}
+            with pools.engine(mode) as eng:
+                fn = copy_fn(eng, d, dev_ids, host_ids)
+                fn()  # warm-up
+                stop, counted = threading.Event(), [0, 0.0, 0.0]
+
+                def loop(fn=fn, stop=stop, counted=counted):
+                    t0 = time.perf_counter()
+                    while not stop.is_set():
+                        fn()
+                        counted[0] += 1
+                    counted[1] = time.perf_counter() - t0
+
+                th = threading.Thread(target=loop, daemon=True)
+                th.start()
+                time.sleep(0.02)  # the copy loop is running before the GEMMs start
+                loaded = gemm.run(GEMM_ITERS)
+                stop.set()
+                th.join(timeout=30)
+                copy_gbps = counted[0] * nbytes / counted[1] / 1e9 if counted[1] else 0.0
+                rows.append(record({
+                    "phase": "gemm", "mode": mode, "dir": d, "block_bytes": pools.block,
+                    "count": count, "copy_gbps_under_gemm": round(copy_gbps, 3),
+                    "gemm_ms": round(loaded, 3), "gemm_slowdown": round(loaded / alone, 3)}))
+    return {"rows": rows, "complete": True, "gemm_ms_alone": round(alone, 3)}
+
+
+def recommend(gemm_rows: list[dict]) -> dict:
+    """Per direction: the fastest copy under load among the modes that slow the
+    GEMM least (within SLOWDOWN_SLACK of the best)."""
+    out = {}
     for d in ("d2h", "h2d"):
-        ceil = row[f"contiguous_{d}_gbps"]
-        row[f"kernel_vs_contiguous_{d}"] = round(row[f"kernel_{d}_gbps"] / ceil, 3)
-        row[f"kernel_vs_direct_{d}"] = round(row[f"kernel_{d}_gbps"] / row[f"direct_{d}_gbps"], 3)
-    return row
-
-
-def grid_sweep(lib, pools: Pools, count: int, rng) -> list[dict]:
-    """Kernel bandwidth by grid shape at one size: how small can the grid be?"""
-    nbytes = count * len(pools.planes) * pools.block
-    dev_ids = rng.choice(pools.num_blocks, count, replace=False)
-    host_ids = rng.choice(pools.num_blocks, count, replace=False)
-    out = []
-    for blocks, threads in GRID_SWEEP:
-        with pools.engine(grid_blocks=blocks, block_threads=threads) as eng:
-            row = {"grid": f"{blocks}x{threads}", "block_bytes": pools.block, "count": count}
-            for d, fn in (("d2h", lambda: eng.swap_out(dev_ids, host_ids, sync=False)),
-                          ("h2d", lambda: eng.swap_in(host_ids, dev_ids, sync=False))):
-                row[f"{d}_gbps"] = round(nbytes / timed(fn, lib, eng.stream) / 1e9, 3)
-        out.append(row)
+        rows = [r for r in gemm_rows if r["dir"] == d]
+        if not rows:
+            continue
+        best = min(r["gemm_slowdown"] for r in rows)
+        fair = [r for r in rows if r["gemm_slowdown"] <= best + SLOWDOWN_SLACK]
+        out[d] = max(fair, key=lambda r: r["copy_gbps_under_gemm"])["mode"]
     return out
 
 
-def targets(rows: list[dict]) -> dict:
-    """The issue's targets, evaluated on the rows they name."""
-    big = [r for r in rows if r["block_bytes"] >= 64 << 10 and r["count"] >= 64]
-    small = [r for r in rows if r["block_bytes"] <= 16 << 10 and r["count"] >= 16]
-
-    def worst(rs, key):
-        vals = [min(r[f"{key}_d2h"], r[f"{key}_h2d"]) for r in rs]
-        return min(vals) if vals else None
-    vs_ceil, vs_direct = worst(big, "kernel_vs_contiguous"), worst(small, "kernel_vs_direct")
-    return {"kernel_vs_contiguous_min (>=64 blocks of >=64KiB)": vs_ceil,
-            "kernel_vs_contiguous_ok (>=0.9)": vs_ceil is not None and vs_ceil >= 0.9,
-            "kernel_vs_direct_min (4-16KiB, >=16 blocks)": vs_direct,
-            "kernel_vs_direct_ok (>=3)": vs_direct is not None and vs_direct >= 3.0}
+def sweep_phase(lib, args, rng, stream, record, deadline) -> bool:
+    cap = int(args.max_gib * (1 << 30))
+    for block in BLOCK_SIZES:
+        counts = [c for c in COUNTS if c * args.planes * block <= cap]
+        pools = Pools(lib, args.planes, block, max(counts))
+        try:
+            for count in counts:
+                if time.monotonic() > deadline:
+                    return False
+                measure_shape(lib, pools, count, rng, stream, record, "sweep")
+            if block == 256 << 10:
+                count = min(64, max(counts))
+                dev_ids, host_ids = pools.ids(count, rng)
+                nbytes = count * args.planes * block
+                for blocks, threads in GRID_SWEEP:
+                    with pools.engine("kernel", grid_blocks=blocks,
+                                      block_threads=threads) as eng:
+                        for d in ("d2h", "h2d"):
+                            t = timed(copy_fn(eng, d, dev_ids, host_ids))
+                            record({"phase": "grid", "grid": f"{blocks}x{threads}", "dir": d,
+                                    "block_bytes": block, "count": count,
+                                    "gbps": round(nbytes / t / 1e9, 3)})
+        finally:
+            pools.free()
+    return True
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--planes", type=int, default=4, help="planes per block (2 layers K+V)")
     ap.add_argument("--max-gib", type=float, default=2.0, help="cap on bytes of one task")
-    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--budget-s", type=float, default=60.0, help="stop starting new work after")
+    ap.add_argument("--out", type=Path, default=None, help="append JSON lines here as measured")
     args = ap.parse_args(argv)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
+    deadline = t0 + args.budget_s
+    record = Recorder(args.out)
+    summary = {"bench": "cuda", "device": None, "planes": args.planes}
     if not kvc.driver_present():
-        return skip("no CUDA device", args.out,
-                    reason="no NVIDIA driver (libcuda.so) on this machine")
+        return record.finish({**summary, "skipped": "no GPU",
+                              "reason": "no NVIDIA driver (libcuda.so) on this machine"},
+                             EXIT_NO_GPU)
     try:
         info = kvc.build()
         lib = kvc.KvcLib(info.path)
         if lib.device_count() < 1:
-            return skip("no CUDA device", args.out, reason="cudaGetDeviceCount found 0 GPUs")
-    except RuntimeError as e:  # no nvcc, build failure, or a CUDA error
-        return skip("no CUDA device", args.out, reason=str(e))
-    lib.set_device(0)
-    stream = lib.stream_create()
+            return record.finish({**summary, "skipped": "no GPU",
+                                  "reason": "cudaGetDeviceCount found 0 GPUs"}, EXIT_NO_GPU)
+    except RuntimeError as e:  # no nvcc, a build failure, a CUDA error: not measured
+        return record.finish({**summary, "error": f"{type(e).__name__}: {e}"}, EXIT_ERROR)
+    summary.update(device=gpu_name(), cudart=lib.raw.kvc_cudart_build_version(),
+                   batch_memcpy=bool(lib.raw.kvc_has_batch_memcpy()), archs=list(info.archs))
     rng = np.random.default_rng(0)
-    rows, sweep, truncated = [], [], False
-    cap = int(args.max_gib * (1 << 30))
-    use_batch = bool(lib.raw.kvc_has_batch_memcpy())
-    for block in BLOCK_SIZES:
-        counts = [c for c in COUNTS if c * args.planes * block <= cap]
-        pools = Pools(lib, args.planes, block, max(counts))
-        engines = {"kernel": pools.engine(), "direct": pools.engine(mode="direct")}
-        if use_batch:
-            engines["batch"] = pools.engine(mode="direct", use_batch=True)
+    phases = {}
+    try:
+        lib.set_device(0)
+        stream = lib.stream_create()
+        for block, count in SHAPES:
+            pools = Pools(lib, args.planes, block, count)
+            try:
+                measure_shape(lib, pools, count, rng, stream, record, "modes")
+            finally:
+                pools.free()
+        phases["modes"] = True
+        pools = Pools(lib, args.planes, *GEMM_SHAPE)
         try:
-            for count in counts:
-                if time.perf_counter() - t0 > BUDGET_S:
-                    truncated = True
-                    break
-                rows.append(bench_size(lib, pools, engines, stream, count, rng))
-                log(json.dumps(rows[-1]))
-            if block == 256 << 10 and not truncated:
-                sweep = grid_sweep(lib, pools, min(64, max(counts)), rng)
-                log(json.dumps(sweep))
+            g = gemm_phase(lib, pools, rng, record, deadline)
         finally:
-            for e in engines.values():
-                e.close()
             pools.free()
-    lib.stream_destroy(stream)
-    result = {"bench": "cuda", "device": gpu_name(), "planes": args.planes,
-              "block_bytes_means": "contiguous bytes of one block in one plane",
-              "cudart": lib.raw.kvc_cudart_build_version(), "archs": list(info.archs),
-              "default_grid": "4x256", "results": rows, "grid_sweep": sweep,
-              "targets": targets(rows), "truncated": truncated,
-              "elapsed_s": round(time.perf_counter() - t0, 1)}
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        args.out.write_text(line + "\n")
-    return 0
+        phases["gemm"] = g["complete"]
+        summary["gemm_ms_alone"] = g.get("gemm_ms_alone")
+        summary["recommended"] = recommend(g["rows"])
+        phases["sweep"] = sweep_phase(lib, args, rng, stream, record, deadline)
+        lib.stream_destroy(stream)
+    except Exception as e:  # noqa: BLE001 (any failure is reported, never "skipped")
+        summary.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
+    summary.update(phases=phases, elapsed_s=round(time.monotonic() - t0, 1))
+    measured = phases.get("modes") and phases.get("gemm") and "error" not in summary
+    if not measured and "error" not in summary:
+        summary["error"] = "the budget ended before the GEMM phase finished"
+    return record.finish(summary, 0 if measured else EXIT_ERROR)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,15 @@ def test_env_bad_number(monkeypatch, var, field, text, kind):
     ("create_cache", "maybe", "create_cache must be a boolean (true/false), got 'maybe'"),
     ("run_dir", 5, "run_dir must be a string, got 5"),
     ("storage_url", None, "storage_url must be a string, got None"),
+    ("cuda_copy_d2h", "dma", "cuda_copy_d2h must be one of 'kernel', 'direct', 'batch'; "
+                             "got 'dma'"),
+    ("cuda_copy_h2d", "", "cuda_copy_h2d must be one of 'kernel', 'direct', 'batch'; got ''"),
+    ("cuda_grid_blocks", 0, "cuda_grid_blocks must be in 1..1024"),
+    ("cuda_grid_blocks", 1025, "got 1025"),
+    ("cuda_block_threads", 48, "cuda_block_threads must be a multiple of 32 in 32..512, got 48"),
+    ("cuda_block_threads", 1024, "cuda_block_threads must be a multiple of 32 in 32..512, "
+                                 "got 1024"),
+    ("cuda_block_threads", 0, "got 0"),
 ])
 def test_invalid_value_names_field_value_and_allowed(key, value, message):
     with pytest.raises(ValueError) as e:
@@ -260,6 +269,21 @@ def test_host_memory_check(monkeypatch):
         CacheConfig.load(num_cpu_blocks=300, num_gpu_blocks=16, tp_size=2)
     assert CacheConfig.load(num_cpu_blocks=300, num_gpu_blocks=16).num_cpu_blocks == 300
     assert CacheConfig.load(num_cpu_blocks=1000, check_host_memory=False).num_cpu_blocks == 1000
+
+
+def test_cuda_copy_settings():
+    """Per-direction copy modes and the kernel's grid, from kwargs and env; the CUDA
+    module's modes and limits are what the config allows."""
+    from kvcached.copy import cuda as kvc
+    assert config_mod.CUDA_COPY_MODES == kvc.MODES
+    assert (config_mod.CUDA_MAX_GRID_BLOCKS, config_mod.CUDA_MAX_BLOCK_THREADS) == (
+        kvc.MAX_GRID_BLOCKS, kvc.MAX_BLOCK_THREADS)
+    cfg = CacheConfig.load(cuda_copy_d2h="kernel", cuda_copy_h2d="direct", cuda_grid_blocks=16,
+                           cuda_block_threads=512)
+    assert (cfg.cuda_copy_d2h, cfg.cuda_copy_h2d, cfg.cuda_grid_blocks,
+            cfg.cuda_block_threads) == ("kernel", "direct", 16, 512)
+    default = CacheConfig.load()
+    assert (default.cuda_copy_d2h, default.cuda_copy_h2d) == ("batch", "kernel")
 
 
 def test_every_field_can_be_set_from_env(monkeypatch):

@@ -4,12 +4,22 @@ Grid: dtype (bf16, fp16, fp8 + scales, odd-sized bf16, MLA) x bytes per
 block-plane (4 KiB ... 2 MiB) x count (1 ... 1024) x path (kernel, direct,
 batch), both directions, random non-contiguous ids, exact byte equality.
 Plus stream ordering (a swap-out waits for the model's event, also across
-processes through an IPC event handle) and CUDA IPC (a second process
-attaches the exported planes and sees the engine's writes, and vice versa).
+processes through an IPC event handle, and in the exporting process through
+its own event; a swap-in waits too), both directions at once on their own
+streams, pools above 4 GiB, a kernel fault (a broken context, in a child
+process), sleep/wakeup releasing and re-mapping the IPC planes, CUDA IPC (a
+second process attaches the exported planes and sees the engine's writes,
+and vice versa), and the manager creating the planes itself (create_cache).
+
+scripts/gpu_check.sh runs this file and fails if any test is skipped: every
+test here must run on a GPU machine that has torch with CUDA, numpy and
+pytest but no pyzmq or msgpack (in-process transfers only).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import mmap
 import os
 import select
@@ -122,16 +132,13 @@ PATHS = ["kernel", "direct", "batch"]
 @pytest.mark.parametrize("plane_bytes,count", SIZES, ids=lambda v: str(v))
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_indexed_copy(lib, name, plane_bytes, count, path):
-    if path == "batch" and not lib.raw.kvc_has_batch_memcpy():
-        pytest.skip("built without cudaMemcpyBatchAsync (CUDA < 12.8)")
+    # "batch" without cudaMemcpyBatchAsync (CUDA < 12.8) runs the per-run copies.
     layout = LAYOUTS[name](plane_bytes)
     rng = np.random.default_rng(count)
     planes = random_planes(layout, count + 7)
     pool = HostPool(layout, count + 5)
-    mode = "kernel" if path == "kernel" else "direct"
     try:
-        with kvc.CudaCopyEngine(planes, pool.tensor, layout.host_offsets, mode=mode,
-                                use_batch=path == "batch") as engine:
+        with kvc.CudaCopyEngine(planes, pool.tensor, layout.host_offsets, mode=path) as engine:
             check_round_trip(layout, planes, pool, engine, count, rng)
     finally:
         pool.close()
@@ -172,6 +179,68 @@ def test_padded_and_shifted_planes(lib):
                 check_round_trip(lay, pl, pool, engine, 11, np.random.default_rng(3))
         finally:
             pool.close()
+
+
+# ------------------------------------------- library only (compute-sanitizer)
+def _pinned(lib, nbytes: int) -> tuple[int, np.ndarray]:
+    ptr = lib.host_alloc(nbytes)
+    return ptr, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def _download(lib, dev: int, nbytes: int) -> np.ndarray:
+    out = np.empty(nbytes, dtype=np.uint8)
+    lib.memcpy_async(out.ctypes.data, dev, nbytes, 0)
+    lib.stream_synchronize(0)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["kernel", "direct", "batch"])
+@pytest.mark.parametrize("count", [5, 100], ids=["inline", "staged"])
+@pytest.mark.parametrize("shift", [0, 2], ids=["aligned", "shifted"])
+def test_lib_only_round_trip(lib, mode, count, shift):
+    """The library and numpy only (no torch CUDA kernels): what scripts/gpu_check.sh
+    runs under compute-sanitizer memcheck. Three odd-sized padded planes, ids
+    inline and staged, 16-byte and 2-byte aligned planes."""
+    nplanes, nbytes, stride = 3, 4144 + 6, 4224
+    n_dev, n_host = count + 40, count + 20
+    hoff = [i * 4160 for i in range(nplanes)]  # 16-byte aligned plane offsets
+    hblock = nplanes * 4160
+    rng = np.random.default_rng(count + shift)
+    span = nplanes * n_dev * stride + 64
+    ref = rng.integers(0, 256, span, dtype=np.uint8)
+    dev = lib.malloc(span)
+    host_ptr, host = _pinned(lib, n_host * hblock)
+    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+    try:
+        lib.memcpy_async(dev, ref.ctypes.data, span, 0)
+        lib.stream_synchronize(0)
+        planes = [kvc.CudaPlane(dev + shift + p * n_dev * stride, stride, nbytes)
+                  for p in range(nplanes)]
+
+        def dev_block(buf, p, b):
+            o = shift + p * n_dev * stride + b * stride
+            return buf[o:o + nbytes]
+        src = rng.permutation(n_dev)[:count]
+        dst = rng.permutation(n_host)[:count]
+        back = rng.permutation(n_dev)[:count]
+        expect_host = host.copy().reshape(n_host, hblock)
+        for s_, d in zip(src, dst, strict=True):
+            for p in range(nplanes):
+                expect_host[d, hoff[p]:hoff[p] + nbytes] = dev_block(ref, p, s_)
+        with kvc.CudaCopyEngine(planes, host_ptr, hoff, host_block_bytes=hblock,
+                                num_host_blocks=n_host, num_device_blocks=n_dev, lib=lib,
+                                mode=mode) as engine:
+            engine.swap_out(src, dst)
+            np.testing.assert_array_equal(host.reshape(n_host, hblock), expect_host)
+            engine.swap_in(dst, back)
+        expect_dev = ref.copy()
+        for b, d in zip(back, dst, strict=True):
+            for p in range(nplanes):
+                dev_block(expect_dev, p, b)[:] = expect_host[d, hoff[p]:hoff[p] + nbytes]
+        np.testing.assert_array_equal(_download(lib, dev, span), expect_dev)
+    finally:
+        lib.free(dev)
+        lib.host_free(host_ptr)
 
 
 # ------------------------------------------------------------ errors
@@ -216,6 +285,268 @@ def test_swap_out_waits_for_the_model_event(lib):
             assert bool((pool.tensor[1, :layout.plane_bytes[0]] == 0x5A).all())
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("mode", ["kernel", "batch"])
+def test_swap_in_waits_for_the_model_event(lib, mode):
+    """A kernel still reading block 3 (queued behind a long sleep) reads the old
+    KV: the swap-in that overwrites block 3 waits on the event recorded after it."""
+    layout = KVLayout(1, 1, 128, 16, "bfloat16")
+    planes = random_planes(layout, 8)
+    pool = HostPool(layout, 4)
+    n = layout.plane_bytes[0]
+    before = byte_view(planes[0])[3].clone()
+    late_read = torch.empty_like(before)
+    compute = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    torch.cuda.synchronize()
+    try:
+        with kvc.CudaCopyEngine(planes, pool.tensor, layout.host_offsets, mode=mode) as engine:
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(200_000_000)  # the "model" is still busy...
+                late_read.copy_(byte_view(planes[0])[3])  # ...then reads block 3
+                ev.record(compute)
+            engine.swap_in([1], [3], wait_event=ev)
+            torch.cuda.synchronize()
+            assert torch.equal(late_read, before), "the swap-in overwrote a block still read"
+            assert torch.equal(byte_view(planes[0])[3].cpu(), pool.tensor[1, :n])
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("mode", ["kernel", ("batch", "kernel")])
+def test_directions_overlap_on_their_own_streams(lib, mode):
+    """A swap-out waiting for a busy model does not hold up a swap-in: the swap-in
+    completes (on its own event) while the swap-out is still queued."""
+    layout = KVLayout(1, 1, 128, 16, "bfloat16")
+    planes = random_planes(layout, 8)
+    pool = HostPool(layout, 4)
+    n = layout.plane_bytes[0]
+    compute = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    try:
+        with kvc.CudaCopyEngine(planes, pool.tensor, layout.host_offsets, mode=mode) as engine:
+            assert engine.stream_of(kvc.D2H) != engine.stream_of(kvc.H2D)
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(1_000_000_000)  # ~0.5 s of "model"
+                byte_view(planes[0])[3].fill_(0x5A)
+                ev.record(compute)
+            engine.swap_out([3], [1], wait_event=ev, sync=False)  # queued behind the model
+            engine.swap_in([2], [5])  # returns on its own completion event
+            assert torch.equal(byte_view(planes[0])[5].cpu(), pool.tensor[2, :n])
+            out_done = lib.raw.kvc_event_query(engine._lanes[kvc.D2H].done)
+            assert out_done == kvc.Status.CUDA_BASE + 600, (  # cudaErrorNotReady
+                "the swap-out finished before the model did, or the swap-in waited for it")
+            engine.synchronize()
+            assert bool((pool.tensor[1, :n] == 0x5A).all())
+    finally:
+        pool.close()
+
+
+def test_pools_above_4_gib(lib):
+    """A 4.5 GiB plane and a 4.6 GiB pinned host pool: the last blocks of both, with
+    inline and staged ids, in every mode (64-bit offsets on the device)."""
+    pb0, pb1 = 64 << 10, 4 << 10
+    n_dev, n_host = 73_728, 70_000  # plane 0: 4.5 GiB; host: 70_000 x 68 KiB = 4.5 GiB
+    planes = [torch.empty((n_dev, pb0), dtype=torch.uint8, device="cuda"),
+              torch.empty((n_dev, pb1), dtype=torch.uint8, device="cuda")]
+    mm = mmap.mmap(-1, n_host * (pb0 + pb1))
+    host = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8).reshape(n_host, pb0 + pb1))
+    pinned = cuda_ipc.pin_host_memory(host)
+    try:
+        for mode in ("kernel", "direct", "batch"):
+            with kvc.CudaCopyEngine(planes, host, [0, pb0], mode=mode) as engine:
+                for count in (3, kvc.INLINE_PAIRS + 36):
+                    src = torch.arange(n_dev - 1, n_dev - 1 - 5 * count, -5)
+                    dst = torch.arange(n_host - 1, n_host - 1 - 3 * count, -3)
+                    back = src - 1
+                    assert int(src[-1]) * pb0 > 1 << 32 and int(dst[-1]) * (pb0 + pb1) > 1 << 32
+                    for p, pb in zip(planes, (pb0, pb1), strict=True):
+                        p[src.cuda()] = torch.randint(0, 256, (count, pb), dtype=torch.uint8,
+                                                      device="cuda")
+                    torch.cuda.synchronize()
+                    engine.swap_out(src.tolist(), dst.tolist())
+                    engine.swap_in(dst.tolist(), back.tolist())
+                    for p, off, pb in zip(planes, (0, pb0), (pb0, pb1), strict=True):
+                        want = p[src.cuda()].cpu()
+                        assert torch.equal(host[dst, off:off + pb], want), (mode, count)
+                        assert torch.equal(p[back.cuda()].cpu(), want), (mode, count)
+    finally:
+        cuda_ipc.unpin(pinned)
+        del host
+
+
+FAULT_CHILD = r"""
+import json
+from kvcached.copy import cuda as kvc
+lib = kvc.load()
+lib.set_device(0)
+host = lib.host_alloc(16 * 65536)
+# A non-null, aligned address no GPU mapping covers: the kernel faults on it.
+bad = 0x100000
+engine = kvc.CudaCopyEngine([kvc.CudaPlane(bad, 65536, 65536)], host, [0],
+                            host_block_bytes=65536, num_host_blocks=16,
+                            num_device_blocks=16, lib=lib, mode="kernel")
+out = {}
+try:
+    engine.swap_out([1], [2])
+    out["first"] = ["ok"]
+except kvc.CudaContextBroken as e:
+    out["first"] = ["broken", e.status_name]
+except kvc.CudaCopyError as e:
+    out["first"] = ["error", e.status_name]
+try:
+    engine.swap_in([2], [3])
+    out["second"] = ["ok"]
+except kvc.CudaContextBroken as e:
+    out["second"] = ["broken", str(e)]
+engine.close()
+out["closed"] = True
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_kernel_fault_breaks_the_engine_not_the_caller(lib, tmp_path):
+    """An illegal address inside the kernel surfaces as CudaContextBroken at the
+    task's completion event; later tasks are refused without CUDA calls and
+    close() still returns (in a child process: the fault breaks its context)."""
+    res = subprocess.run([sys.executable, "-c", FAULT_CHILD], capture_output=True, text=True,
+                         timeout=180, env=_child_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["first"][0] == "broken", out
+    assert out["first"][1] in ("cudaErrorIllegalAddress", "cudaErrorLaunchFailure"), out
+    assert out["second"][0] == "broken" and "broke earlier" in out["second"][1], out
+    assert out["closed"]
+
+
+def _child_env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **extra}
+
+
+SLEEP_CHILD = r"""
+import gc, json, sys, torch
+from kvcached.config import CacheConfig
+from kvcached.copy import cuda as kvc
+from kvcached.transfer.base import Task
+from kvcached.transfer.executor import RankExecutor
+cfg = CacheConfig.from_dict(json.loads(sys.argv[2]))
+ex = RankExecutor(cfg, sys.argv[1], 0, owner_pid=int(sys.argv[3]))
+lib = kvc.load()
+ex.open(30)
+ptr = ex.planes[0].data_ptr()
+out = {"device": str(ex.planes[0].device), "before": lib.pointer_type(ptr)}
+out["out"] = ex.run(Task("swap_out", [3], [1]))["bytes"]
+ex.close(final=False)  # sleep
+gc.collect()
+out["asleep"] = lib.pointer_type(ptr)
+ex.open(30)  # wakeup
+out["in"] = ex.run(Task("swap_in", [1], [5]))["bytes"]
+ex.close()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_sleep_unmaps_the_planes_and_wakeup_maps_them_again(lib, tmp_path):
+    """A worker's executor in another process (its GPU named by UUID in its
+    CUDA_VISIBLE_DEVICES): sleep closes the IPC mapping (the address is no longer
+    CUDA memory there), wakeup maps the planes again and copies work."""
+    from kvcached.config import CacheConfig
+    from kvcached.memory.hostpool import HostPool as ShmPool
+    from kvcached.memory.kvevent import KVEvent
+    from kvcached.memory.kvshare import export_kv_cache
+    layout = KVLayout(2, 2, 128, 16, "bfloat16")
+    cfg = CacheConfig.load(device="cuda", num_layers=2, num_kv_heads=2, head_dim=128,
+                           block_size=16, dtype="bfloat16", num_gpu_blocks=16, num_cpu_blocks=8,
+                           storage_backend=None, run_dir=str(tmp_path))
+    planes = random_planes(layout, 16)
+    event = KVEvent(tmp_path, 0)
+    export_kv_cache(planes, 0, tmp_path, event=event)
+    pool = ShmPool.create(tmp_path, 0, 8, layout.block_bytes)
+    uuid = cuda_ipc.local_devices()[0].uuid
+    visible = f"GPU-{uuid[:8]}-{uuid[8:12]}-{uuid[12:16]}-{uuid[16:20]}-{uuid[20:]}"
+    try:
+        res = subprocess.run([sys.executable, "-c", SLEEP_CHILD, str(tmp_path),
+                              json.dumps(cfg.to_dict()), str(os.getpid())],
+                             capture_output=True, text=True, timeout=180,
+                             env=_child_env(CUDA_VISIBLE_DEVICES=visible))
+        assert res.returncode == 0, res.stderr[-4000:]
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out["before"] == 2, out  # cudaMemoryTypeDevice: mapped
+        assert out["asleep"] == 0, out  # unregistered: the IPC mapping was closed
+        assert out["out"] == out["in"] == layout.block_bytes
+        torch.cuda.synchronize()
+        for p, o, n in zip(planes, layout.host_offsets, layout.plane_bytes, strict=True):
+            assert torch.equal(pool.tensor[1, o:o + n], byte_view(p)[3].cpu())
+            assert torch.equal(byte_view(p)[5].cpu(), byte_view(p)[3].cpu())
+    finally:
+        pool.remove()
+
+
+def test_device_identity_matches_the_driver(lib):
+    """UUIDs and PCI bus ids as nvidia-smi reports them; a plane's entry names its GPU."""
+    devs = cuda_ipc.local_devices()
+    assert len(devs) == torch.cuda.device_count() >= 1
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=60)
+    assert smi.returncode == 0, smi.stderr
+    rows = [line.split(",") for line in smi.stdout.strip().splitlines()]
+    smi_ids = {(u.strip().removeprefix("GPU-").replace("-", "").lower(),
+                cuda_ipc.normalize_pci_bus_id(b)) for u, b in rows}
+    assert {(d.uuid, d.pci_bus_id) for d in devs} <= smi_ids
+    entry = cuda_ipc.export_cuda_planes([torch.zeros(2, 16, device="cuda")])[0]
+    assert entry["device_uuid"] == devs[0].uuid
+    assert cuda_ipc.map_device(entry, devs) == 0
+
+
+def test_manager_creates_cuda_planes_and_orders_copies_in_process(lib, tmp_path):
+    """create_cache on CUDA, in-process transfers, the engine's own KVEvent: a
+    swap-out planned right after commit waits for the (slow) forward that wrote
+    the blocks, and the blocks come back intact through the CPU tier."""
+    from kvcached import CacheConfig, CacheManager
+    from kvcached.memory.kvevent import KVEvent
+    from kvcached.memory.kvshare import attach_kv_cache, export_kv_event
+    bs = 16
+    cfg = CacheConfig.load(device="cuda", create_cache=True, transfer_mode="inprocess",
+                           control_socket=False, storage_backend=None, num_layers=2,
+                           num_kv_heads=2, head_dim=128, block_size=bs, dtype="bfloat16",
+                           num_gpu_blocks=8, num_cpu_blocks=16, run_dir=str(tmp_path / "run"))
+    compute = torch.cuda.Stream()
+
+    def forward(planes, blocks, values, event):
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(200_000_000)  # a slow forward pass...
+            for b, v in zip(blocks, values, strict=True):
+                for p in planes:
+                    byte_view(p)[b].fill_(v)  # ...that writes the blocks' KV
+            event.record(compute)  # after the forward, before commit
+
+    with CacheManager(cfg) as mgr:
+        planes = attach_kv_cache(mgr.run_dir, 0)
+        assert planes[0].is_cuda
+        event = KVEvent(mgr.run_dir, 0)
+        export_kv_event(event, 0, mgr.run_dir)
+        prompt = [7] * (3 * bs) + [1]
+        a = mgr.allocate("r1", prompt)
+        forward(planes, a.block_ids[:3], [11, 12, 13], event)
+        mgr.commit("r1", prompt, len(prompt))
+        mgr.free("r1")
+        other = list(range(100, 100 + 7 * bs)) + [1]  # takes every GPU block
+        b = mgr.allocate("r2", other)  # r1's blocks are swapped out here
+        forward(planes, b.block_ids, [0x77] * len(b.block_ids), event)
+        mgr.commit("r2", other, len(other))
+        mgr.free("r2")
+        assert mgr.stats().evictions.get("gpu_to_cpu", 0) >= 3
+        c = mgr.allocate("r3", prompt)
+        c.wait(timeout=30)
+        assert c.hit.cpu_tokens == 3 * bs and c.num_cached_tokens == 3 * bs
+        torch.cuda.synchronize()
+        for blk, v in zip(c.block_ids[:3], [11, 12, 13], strict=True):
+            for p in planes:
+                assert bool((byte_view(p)[blk] == v).all()), (blk, v)
+        mgr.free("r3")
+        mgr.check_invariants()
 
 
 # ------------------------------------------------------------------- IPC
@@ -272,7 +603,7 @@ def test_second_process_sees_engine_writes_and_vice_versa(lib, tmp_path):
     planes = random_planes(layout, 16)
     export_kv_cache(planes, rank=0, run_dir=tmp_path)
     pool = HostPool(layout, 8)
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = _child_env()
     err = open(tmp_path / "child.err", "w")  # closed in finally
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=err, text=True, env=env)

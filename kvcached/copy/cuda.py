@@ -8,18 +8,29 @@ on a machine without libcudart or a driver) lazily on first use and cached by
 :mod:`kvcached.copy.native_build`, or ahead of time with
 ``python -m kvcached.copy.cuda --build``.
 
-Two modes move the same bytes:
+Three modes move the same bytes, chosen per direction:
 
 - ``kernel``: one launch per task over all (pair, plane) chunks, 16-byte
   vectors, reading/writing pinned host memory through its device pointer
   (UVA), on a small grid (default 4 x 256) that leaves the SMs to the model.
-- ``direct``: ``cudaMemcpy2DAsync`` per run of consecutive ids and plane (or
-  one ``cudaMemcpyBatchAsync``), for comparison and as a fallback.
+  The plane table is uploaded once per engine; a task's ids go in the kernel
+  parameters (<= 64 pairs) or through pinned staging, never a pageable upload.
+- ``direct``: ``cudaMemcpy2DAsync`` per run of consecutive ids and plane: the
+  copy engines (DMA), no SM time.
+- ``batch``: the same copies in one ``cudaMemcpyBatchAsync`` (CUDA >= 12.8;
+  ``direct`` where the toolkit lacks it).
+
+Each direction has its own stream, id staging and completion event, so a
+swap-in never queues behind a swap-out that waits for the model, and a task
+completes on its own event, not on a whole-stream synchronize.
 
 Every native status becomes :class:`CudaCopyError` (a bad task:
 :class:`CudaTaskInvalid`, also a ``ValueError`` like the CPU engine's) whose
-text names the status and the launcher's explanation. Importing this module
-never builds or loads anything.
+text names the status and the launcher's explanation. A fault that leaves the
+CUDA context unusable (an illegal address, ...) is :class:`CudaContextBroken`
+(``fatal``): the engine refuses every later task, and a transfer worker exits
+so that its coordinator starts a fresh process. Importing this module never
+builds or loads anything.
 """
 
 from __future__ import annotations
@@ -49,12 +60,17 @@ SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda"
 SOURCE = SOURCE_DIR / "kv_copy.cu"
 HEADER = SOURCE_DIR / "kv_copy.h"
 LIB_NAME = "kvc_cuda_copy"
-ABI_VERSION = 1  # KVC_ABI_VERSION in kv_copy.h
+ABI_VERSION = 2  # KVC_ABI_VERSION in kv_copy.h
 DEFAULT_ARCHS = ("80", "90")  # A100 and H100/H200; PTX of the last one for newer GPUs
 D2H, H2D = 0, 1  # kvc_direction
-MODES = ("kernel", "direct")
+DIRECTIONS = {D2H: "d2h", H2D: "h2d"}
+MODES = ("kernel", "direct", "batch")
 IPC_HANDLE_BYTES = 64
+UUID_BYTES = 16  # KVC_UUID_BYTES
+INLINE_PAIRS = 64  # KVC_INLINE_PAIRS: smaller tasks need no id staging
+MAX_GRID_BLOCKS = 1024  # KVC_MAX_GRID_BLOCKS
 MAX_BLOCK_THREADS = 512  # KVC_MAX_BLOCK_THREADS
+MIN_STAGING = 64 * 1024  # first id staging allocation; doubles when a task needs more
 
 
 class Status(enum.IntEnum):
@@ -102,6 +118,16 @@ class CudaTaskInvalid(CudaCopyError, ValueError):
     """The launcher rejected the task before touching any memory (bad id, size, pointer)."""
 
 
+class CudaContextBroken(CudaCopyError):
+    """A sticky CUDA error: this process's CUDA context is unusable from now on.
+
+    ``fatal`` tells a transfer worker to fail the task and exit (a new process
+    gets a new context); nothing of the task may be treated as copied.
+    """
+
+    fatal = True
+
+
 # ----------------------------------------------------------------------- ctypes
 class KvcPlane(ctypes.Structure):
     """``kvc_plane_t``."""
@@ -121,8 +147,18 @@ class KvcTask(ctypes.Structure):
                 ("host_block_bytes", ctypes.c_uint64)]
 
 
+class KvcLaunch(ctypes.Structure):
+    """``kvc_launch_t``: where a kernel launch finds its plane table and id staging."""
+
+    _fields_ = [("plane_table", ctypes.c_void_p), ("table_fingerprint", ctypes.c_uint64),
+                ("ids_host", ctypes.c_void_p), ("ids_dev", ctypes.c_void_p),
+                ("ids_bytes", ctypes.c_uint64), ("staging_event", ctypes.c_void_p),
+                ("grid_blocks", ctypes.c_int32), ("block_threads", ctypes.c_int32)]
+
+
 _P, _I32, _I64, _U64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 _TASK = ctypes.POINTER(KvcTask)
+_LAUNCH = ctypes.POINTER(KvcLaunch)
 _H = ctypes.c_char_p  # 64-byte IPC handles (in and out buffers)
 _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kvc_abi_version": ([], ctypes.c_int),
@@ -130,14 +166,22 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kvc_has_batch_memcpy": ([], ctypes.c_int),
     "kvc_status_name": ([ctypes.c_int], ctypes.c_char_p),
     "kvc_last_error": ([], ctypes.c_char_p),
-    "kvc_workspace_bytes": ([_I32, _I32], _I64),
+    "kvc_plane_table_bytes": ([_I32], _I64),
+    "kvc_pack_plane_table": ([ctypes.POINTER(KvcPlane), _I32, _P, _U64, ctypes.POINTER(_U64)],
+                             ctypes.c_int),
+    "kvc_ids_bytes": ([_I32], _I64),
     "kvc_validate_task": ([_TASK], ctypes.c_int),
-    "kvc_copy_kernel": ([_TASK, _P, _U64, _I32, _I32, _P, _P], ctypes.c_int),
+    "kvc_copy_kernel": ([_TASK, _LAUNCH, _P, _P], ctypes.c_int),
     "kvc_copy_direct": ([_TASK, _I32, _P, _P], ctypes.c_int),
-    "kvc_emulate_kernel": ([_TASK, _I32, _I32], ctypes.c_int),
+    "kvc_emulate_kernel": ([_TASK, _LAUNCH], ctypes.c_int),
     "kvc_emulate_direct": ([_TASK, _I32], ctypes.c_int),
+    "kvc_is_sticky": ([ctypes.c_int], ctypes.c_int),
     "kvc_device_count": ([ctypes.POINTER(_I32)], ctypes.c_int),
     "kvc_set_device": ([_I32], ctypes.c_int),
+    "kvc_get_device": ([ctypes.POINTER(_I32)], ctypes.c_int),
+    "kvc_device_uuid": ([_I32, _H], ctypes.c_int),
+    "kvc_device_pci_bus_id": ([_I32, _H, _I32], ctypes.c_int),
+    "kvc_pointer_type": ([_P, ctypes.POINTER(_I32)], ctypes.c_int),
     "kvc_malloc": ([_U64, ctypes.POINTER(_P)], ctypes.c_int),
     "kvc_free": ([_P], ctypes.c_int),
     "kvc_host_alloc": ([_U64, ctypes.POINTER(_P)], ctypes.c_int),
@@ -269,7 +313,12 @@ class KvcLib:
         """Raise the right CudaCopyError for a non-zero status."""
         if status == Status.OK:
             return
-        cls = CudaTaskInvalid if 0 < status < Status.CUDA_BASE else CudaCopyError
+        if 0 < status < Status.CUDA_BASE:
+            cls = CudaTaskInvalid
+        elif self.raw.kvc_is_sticky(status):
+            cls = CudaContextBroken
+        else:
+            cls = CudaCopyError
         raise cls(op, status, self.status_name(status), self.last_error())
 
     def _call(self, name: str, *args) -> None:
@@ -281,19 +330,34 @@ class KvcLib:
         return out.value or 0
 
     # --------------------------------------------------------------- copies
-    def workspace_bytes(self, num_planes: int, count: int) -> int:
-        """Device workspace the kernel path needs (-1: sizes out of range)."""
-        return int(self.raw.kvc_workspace_bytes(num_planes, count))
+    def ids_bytes(self, count: int) -> int:
+        """Id staging a task of ``count`` pairs needs (0: inline; -1: out of range)."""
+        return int(self.raw.kvc_ids_bytes(count))
+
+    def pack_plane_table(self, table: ctypes.Array, num_planes: int) -> tuple[np.ndarray, int]:
+        """The kernel's packed plane table (16-byte aligned host bytes) and its fingerprint."""
+        nbytes = int(self.raw.kvc_plane_table_bytes(num_planes))
+        if nbytes < 0:
+            raise ValueError(f"num_planes {num_planes} is out of range")
+        out = aligned_bytes(nbytes)
+        fp = ctypes.c_uint64(0)
+        self._call("kvc_pack_plane_table", ctypes.cast(table, ctypes.POINTER(KvcPlane)),
+                   num_planes, out.ctypes.data, nbytes, ctypes.byref(fp))
+        return out, fp.value
 
     def validate(self, task: KvcTask) -> None:
         """Validate ``task`` on the host only; raises CudaTaskInvalid."""
         self._call("kvc_validate_task", ctypes.byref(task))
 
-    def copy_kernel(self, task: KvcTask, workspace: int, workspace_bytes: int, grid_blocks: int,
-                    block_threads: int, stream: int = 0, wait_event: int = 0) -> None:
+    def is_sticky(self, status: int) -> bool:
+        """Whether ``status`` leaves this process's CUDA context unusable."""
+        return bool(self.raw.kvc_is_sticky(status))
+
+    def copy_kernel(self, task: KvcTask, launch: KvcLaunch, stream: int = 0,
+                    wait_event: int = 0) -> None:
         """Enqueue the kernel path on ``stream`` (after ``wait_event`` if non-zero)."""
-        self._call("kvc_copy_kernel", ctypes.byref(task), workspace, workspace_bytes,
-                   grid_blocks, block_threads, stream or None, wait_event or None)
+        self._call("kvc_copy_kernel", ctypes.byref(task), ctypes.byref(launch), stream or None,
+                   wait_event or None)
 
     def copy_direct(self, task: KvcTask, use_batch: bool = False, stream: int = 0,
                     wait_event: int = 0) -> None:
@@ -301,9 +365,10 @@ class KvcLib:
         self._call("kvc_copy_direct", ctypes.byref(task), int(use_batch), stream or None,
                    wait_event or None)
 
-    def emulate(self, task: KvcTask, grid_blocks: int = 4, block_threads: int = 256) -> None:
-        """Run the kernel's code on the CPU (host addresses only): tests without a GPU."""
-        self._call("kvc_emulate_kernel", ctypes.byref(task), grid_blocks, block_threads)
+    def emulate(self, task: KvcTask, launch: KvcLaunch) -> None:
+        """Run the kernel path's packing and the kernel's code on the CPU (host
+        addresses only): tests without a GPU."""
+        self._call("kvc_emulate_kernel", ctypes.byref(task), ctypes.byref(launch))
 
     def emulate_direct(self, task: KvcTask, use_batch: bool = False) -> None:
         """Run the direct path's copy plan with memcpy on the CPU (host addresses only)."""
@@ -317,6 +382,29 @@ class KvcLib:
 
     def set_device(self, device: int) -> None:
         self._call("kvc_set_device", device)
+
+    def get_device(self) -> int:
+        n = ctypes.c_int32(0)
+        self._call("kvc_get_device", ctypes.byref(n))
+        return n.value
+
+    def device_uuid(self, device: int) -> bytes:
+        """The 16-byte UUID of CUDA device ``device`` (as numbered in this process)."""
+        buf = ctypes.create_string_buffer(UUID_BYTES)
+        self._call("kvc_device_uuid", device, buf)
+        return buf.raw
+
+    def device_pci_bus_id(self, device: int) -> str:
+        """``domain:bus:device.function`` of CUDA device ``device``."""
+        buf = ctypes.create_string_buffer(32)
+        self._call("kvc_device_pci_bus_id", device, buf, len(buf))
+        return buf.value.decode()
+
+    def pointer_type(self, ptr: int) -> int:
+        """cudaMemoryType of ``ptr``: 0 unregistered, 1 host, 2 device, 3 managed."""
+        t = ctypes.c_int32(0)
+        self._call("kvc_pointer_type", ptr, ctypes.byref(t))
+        return t.value
 
     def malloc(self, nbytes: int) -> int:
         return self._out("kvc_malloc", nbytes)
@@ -384,6 +472,13 @@ class KvcLib:
 
     def ipc_close_mem_handle(self, dev_ptr: int) -> None:
         self._call("kvc_ipc_close_mem_handle", dev_ptr)
+
+
+def aligned_bytes(nbytes: int, align: int = 16) -> np.ndarray:
+    """A zeroed uint8 array of ``nbytes`` whose data starts on an ``align`` boundary."""
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes]
 
 
 def _handle(handle: bytes) -> bytes:
@@ -501,6 +596,37 @@ def _handle_of(obj) -> int:
 
 
 # ----------------------------------------------------------------------- engine
+def resolve_modes(mode, use_batch: bool = False) -> dict[int, str]:
+    """``{D2H: mode, H2D: mode}`` from one mode or a ``(d2h, h2d)`` pair.
+
+    ``use_batch`` (the older spelling) turns ``direct`` into ``batch``.
+    """
+    pair = (mode, mode) if isinstance(mode, str) else tuple(mode)
+    if len(pair) != 2:
+        raise ValueError(f"mode must be one of {MODES} or a (d2h, h2d) pair, got {mode!r}")
+    out = {}
+    for direction, m in zip((D2H, H2D), pair, strict=True):
+        if m not in MODES:
+            raise ValueError(f"{DIRECTIONS[direction]} mode must be one of {MODES}, got {m!r}")
+        out[direction] = "batch" if (use_batch and m == "direct") else m
+    return out
+
+
+class _Lane:
+    """One direction's stream, completion event and id staging (used under ``lock``)."""
+
+    __slots__ = ("direction", "mode", "stream", "own_stream", "done", "staging_event",
+                 "launch", "lock", "ids_host", "ids_dev", "ids_bytes")
+
+    def __init__(self, direction: int, mode: str, stream: int, own_stream: bool):
+        self.direction, self.mode = direction, mode
+        self.stream, self.own_stream = stream, own_stream
+        self.done = self.staging_event = 0
+        self.launch = KvcLaunch()
+        self.lock = threading.Lock()
+        self.ids_host = self.ids_dev = self.ids_bytes = 0
+
+
 class CudaCopyEngine:
     """Copies blocks between GPU ``planes`` and a pinned, block-major host pool.
 
@@ -509,25 +635,27 @@ class CudaCopyEngine:
     ``[num_cpu_blocks, block_bytes]`` (as the CPU engine takes) or its address
     (then pass ``host_block_bytes`` and ``num_host_blocks``); it must be pinned
     and mapped (``kvcached.memory.cuda_ipc.pin_host_memory`` or ``cudaHostAlloc``).
-    Copies run on ``stream`` (default: a non-blocking stream of its own);
-    ``swap_out``/``swap_in`` wait for ``wait_event`` first, so a swap-out never
-    reads KV the model is still writing. With ``sync=True`` (default) they
-    return once the bytes arrived; else call :meth:`synchronize`.
+
+    ``mode``: ``kernel``, ``direct`` or ``batch``, or a ``(d2h, h2d)`` pair.
+    Each direction runs on its own stream (created here unless ``stream`` is
+    given, which both directions then share). ``swap_out``/``swap_in`` wait
+    for ``wait_event`` first (the engine's event after the forward that wrote,
+    or last read, the blocks). With ``sync=True`` (default) they return once
+    the task's own completion event fired; else call :meth:`synchronize`.
     """
 
     def __init__(self, planes: Sequence, host_pool, host_offsets: Sequence[int], *,
                  host_block_bytes: int | None = None, num_host_blocks: int | None = None,
-                 num_device_blocks: int | None = None, mode: str = "kernel",
+                 num_device_blocks: int | None = None, mode="kernel",
                  grid_blocks: int = 4, block_threads: int = 256, use_batch: bool = False,
                  stream=None, device: int | None = None, lib: KvcLib | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not (1 <= grid_blocks <= 1024) or block_threads % 32 or not (
+        self.modes = resolve_modes(mode, use_batch)
+        if not (1 <= grid_blocks <= MAX_GRID_BLOCKS) or block_threads % 32 or not (
                 32 <= block_threads <= MAX_BLOCK_THREADS):
-            raise ValueError(f"grid must be 1..1024 blocks of 32..{MAX_BLOCK_THREADS} threads "
-                             f"(multiple of 32), got {grid_blocks} x {block_threads}")
-        self.mode, self.grid_blocks, self.block_threads = mode, grid_blocks, block_threads
-        self.use_batch = use_batch
+            raise ValueError(f"grid must be 1..{MAX_GRID_BLOCKS} blocks of 32.."
+                             f"{MAX_BLOCK_THREADS} threads (multiple of 32), got "
+                             f"{grid_blocks} x {block_threads}")
+        self.grid_blocks, self.block_threads = grid_blocks, block_threads
         self.lib = lib or load()
         self._tensors = [p for p in planes if not isinstance(p, CudaPlane)]  # kept alive
         self.planes = [p if isinstance(p, CudaPlane) else plane_from_tensor(p) for p in planes]
@@ -542,15 +670,19 @@ class CudaCopyEngine:
             host_pool, host_block_bytes, num_host_blocks)
         self.host_offsets = [int(o) for o in host_offsets]
         self._table = plane_table(self.planes, self.host_offsets)  # once, not per task
-        self.lib.set_device(self.device)
-        self.host_base = self._device_pointer(host_ptr)
-        self._own_stream = stream is None
-        self.stream = self.lib.stream_create() if stream is None else _handle_of(stream)
-        self._workspace, self._workspace_bytes = 0, 0
-        # Kernel tasks stage their tables in the one workspace: the upload and
-        # the launch of one task must not interleave with another thread's.
-        self._lock = threading.Lock()
         self.bytes_per_block = sum(p.nbytes for p in self.planes)
+        self._broken: CudaContextBroken | None = None
+        self._closed = False
+        self._lanes: dict[int, _Lane] = {}
+        self._dev_table = 0
+        try:
+            self.lib.set_device(self.device)
+            self.host_base = self._device_pointer(host_ptr)
+            self._open_lanes(stream)
+            self._upload_table()
+        except BaseException:
+            self.close(quiet=True)  # what was created so far
+            raise
 
     def _device_pointer(self, host_ptr: int) -> int:
         try:
@@ -560,7 +692,45 @@ class CudaCopyEngine:
                                 f"{e.detail}; is the host pool pinned and mapped? pin it with "
                                 "kvcached.memory.cuda_ipc.pin_host_memory()") from e
 
+    def _open_lanes(self, stream) -> None:
+        shared = None if stream is None else _handle_of(stream)
+        for direction in (D2H, H2D):
+            own = shared is None
+            lane = _Lane(direction, self.modes[direction],
+                         self.lib.stream_create() if own else shared, own)
+            self._lanes[direction] = lane
+            lane.done = self.lib.event_create(False)
+            lane.staging_event = self.lib.event_create(False)
+            lane.launch.staging_event = lane.staging_event
+            lane.launch.grid_blocks, lane.launch.block_threads = (self.grid_blocks,
+                                                                  self.block_threads)
+
+    def _upload_table(self) -> None:
+        """Pack the kernel's plane table and upload it, once for the engine's life."""
+        host, fingerprint = self.lib.pack_plane_table(self._table, len(self.planes))
+        self._dev_table = self.lib.malloc(host.nbytes)
+        stream = self._lanes[D2H].stream
+        self.lib.memcpy_async(self._dev_table, host.ctypes.data, host.nbytes, stream)
+        self.lib.stream_synchronize(stream)  # `host` is pageable and goes away
+        for lane in self._lanes.values():
+            lane.launch.plane_table, lane.launch.table_fingerprint = self._dev_table, fingerprint
+
     # ------------------------------------------------------------ public API
+    @property
+    def stream(self) -> int | None:
+        """The swap-out stream (kept for callers of the one-stream engine)."""
+        lane = self._lanes.get(D2H)
+        return None if self._closed or lane is None else lane.stream
+
+    def stream_of(self, direction: int) -> int:
+        """The stream that ``direction``'s (D2H or H2D) copies run on."""
+        return self._lanes[direction].stream
+
+    @property
+    def broken(self) -> CudaContextBroken | None:
+        """The sticky CUDA error that ended this engine, if any."""
+        return self._broken
+
     def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], *,
                  wait_event=None, sync: bool = True) -> int:
         """Copy device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``; returns bytes."""
@@ -572,25 +742,61 @@ class CudaCopyEngine:
         return self._copy(host_ids, device_ids, H2D, wait_event, sync)
 
     def synchronize(self) -> None:
-        """Wait until every copy enqueued on this engine's stream is done."""
-        self.lib.stream_synchronize(self.stream)
+        """Wait until every copy enqueued on this engine (both directions) is done."""
+        self._check_usable()
+        for stream in {lane.stream for lane in self._lanes.values()}:
+            self._guard(self.lib.stream_synchronize, stream)
 
-    def record_event(self, event: int) -> None:
-        """Record ``event`` on the copy stream (e.g. so the engine waits for a swap-in)."""
-        self.lib.event_record(_handle_of(event), self.stream)
+    def record_event(self, event, direction: int = H2D) -> None:
+        """Record ``event`` on ``direction``'s stream (e.g. so the engine's compute
+        stream waits for a swap-in before reading the blocks)."""
+        self._check_usable()
+        self._guard(self.lib.event_record, _handle_of(event), self._lanes[direction].stream)
 
-    def close(self) -> None:
-        """Wait for pending copies, then free the workspace and the owned stream."""
-        if self.stream is None:
+    def close(self, quiet: bool = False) -> None:
+        """Wait for pending copies, then free the id staging, plane table, events and
+        owned streams. Everything is freed even when a step fails; the first
+        failure is raised afterwards (only logged after a sticky error, when
+        every CUDA call fails, or with ``quiet``)."""
+        if self._closed:
             return
-        self.lib.set_device(self.device)
-        self.synchronize()  # in flight copies still read the workspace
-        if self._workspace:
-            self.lib.free(self._workspace)
-            self._workspace = 0
-        if self._own_stream:
-            self.lib.stream_destroy(self.stream)
-        self.stream = None
+        self._closed = True
+        errors: list[BaseException] = []
+
+        def attempt(fn, *args) -> None:
+            try:
+                fn(*args)
+            except Exception as e:  # keep freeing the rest
+                errors.append(e)
+
+        attempt(self.lib.set_device, self.device)
+        if self._broken is None:  # in flight copies still read staging and table
+            for stream in {lane.stream for lane in self._lanes.values()}:
+                attempt(self.lib.stream_synchronize, stream)
+        for lane in self._lanes.values():
+            if lane.ids_dev:
+                attempt(self.lib.free, lane.ids_dev)
+            if lane.ids_host:
+                attempt(self.lib.host_free, lane.ids_host)
+            for ev in (lane.done, lane.staging_event):
+                if ev:
+                    attempt(self.lib.event_destroy, ev)
+            if lane.own_stream and lane.stream:
+                attempt(self.lib.stream_destroy, lane.stream)
+            lane.ids_dev = lane.ids_host = lane.ids_bytes = lane.done = lane.staging_event = 0
+        self._lanes.clear()
+        if self._dev_table:
+            attempt(self.lib.free, self._dev_table)
+            self._dev_table = 0
+        # Let go of the memory we copied: an IPC mapping closes with its last tensor.
+        self._tensors, self._host_pool = [], None
+        if errors:
+            if quiet or self._broken is not None or any(
+                    isinstance(e, CudaContextBroken) for e in errors):
+                logger.warning("CudaCopyEngine.close: %d step(s) failed, first: %s",
+                               len(errors), errors[0])
+            else:
+                raise errors[0]
 
     def __enter__(self) -> CudaCopyEngine:
         return self
@@ -599,9 +805,28 @@ class CudaCopyEngine:
         self.close()
 
     # ------------------------------------------------------------- internals
-    def _copy(self, src_ids, dst_ids, direction: int, wait_event, sync: bool) -> int:
-        if self.stream is None:
+    def _check_usable(self) -> None:
+        if self._closed:
             raise RuntimeError("CudaCopyEngine is closed")
+        if self._broken is not None:
+            b = self._broken
+            raise CudaContextBroken(b.op, b.status, b.status_name,
+                                    f"the CUDA context broke earlier ({b.detail}); this "
+                                    "process cannot copy any more")
+
+    def _guard(self, fn, *args):
+        """Call ``fn``; a sticky CUDA error marks the engine broken for good."""
+        try:
+            return fn(*args)
+        except CudaContextBroken as e:
+            if self._broken is None:
+                self._broken = e
+                logger.error("CUDA context broken (%s): the copy engine refuses further "
+                             "tasks", e)
+            raise
+
+    def _copy(self, src_ids, dst_ids, direction: int, wait_event, sync: bool) -> int:
+        self._check_usable()
         src, dst = _ids32(src_ids), _ids32(dst_ids)
         if src.size != dst.size:
             raise ValueError(f"got {src.size} source ids but {dst.size} destination ids; "
@@ -612,31 +837,42 @@ class CudaCopyEngine:
                          self.num_host_blocks, self.host_base, self.host_block_bytes,
                          len(self.planes))
         event = _handle_of(wait_event)
-        with self._lock:
-            self.lib.set_device(self.device)  # per thread in CUDA: workers may use several
-            if self.mode == "kernel":
-                ws, ws_bytes = self._ensure_workspace(len(self.planes), int(src.size))
-                self.lib.copy_kernel(task, ws, ws_bytes, self.grid_blocks, self.block_threads,
-                                     self.stream, event)
-            else:
-                self.lib.copy_direct(task, self.use_batch, self.stream, event)
-        if sync:
-            self.synchronize()
+        lane = self._lanes[direction]
+        with lane.lock:  # one task at a time per direction: its staging and its event
+            self._guard(self._enqueue, lane, task, event)
+            if sync:
+                self._guard(self.lib.event_synchronize, lane.done)
         return int(src.size) * self.bytes_per_block
 
-    def _ensure_workspace(self, num_planes: int, count: int) -> tuple[int, int]:
-        need = self.lib.workspace_bytes(num_planes, count)
+    def _enqueue(self, lane: _Lane, task: KvcTask, event: int) -> None:
+        self.lib.set_device(self.device)  # per thread in CUDA: workers may use several
+        if lane.mode == "kernel":
+            self._ensure_staging(lane, task.count)
+            self.lib.copy_kernel(task, lane.launch, lane.stream, event)
+        else:
+            self.lib.copy_direct(task, lane.mode == "batch", lane.stream, event)
+        self.lib.event_record(lane.done, lane.stream)
+
+    def _ensure_staging(self, lane: _Lane, count: int) -> None:
+        need = self.lib.ids_bytes(count)
         if need < 0:
-            raise ValueError(f"task of {count} pairs x {num_planes} planes is too large")
-        if need > self._workspace_bytes:
-            # Doubling: a few reallocations over the engine's life, never one per call.
-            size = max(need, 2 * self._workspace_bytes, 64 * 1024)
-            if self._workspace:
-                self.synchronize()  # the old one may still be read by a kernel
-                self.lib.free(self._workspace)
-                self._workspace = 0
-            self._workspace, self._workspace_bytes = self.lib.malloc(size), size
-        return self._workspace, self._workspace_bytes
+            raise ValueError(f"a task of {count} pairs is too large")
+        if need <= lane.ids_bytes:
+            return
+        # Doubling: a few allocations over the engine's life, never one per call.
+        size = max(need, 2 * lane.ids_bytes, MIN_STAGING)
+        if lane.ids_bytes:
+            self.lib.stream_synchronize(lane.stream)  # a queued kernel may still read them
+            self.lib.free(lane.ids_dev)
+            self.lib.host_free(lane.ids_host)
+            lane.ids_dev = lane.ids_host = lane.ids_bytes = 0
+            lane.launch.ids_dev = lane.launch.ids_host = None
+            lane.launch.ids_bytes = 0
+        lane.ids_host = self.lib.host_alloc(size)  # pinned: its copy never blocks the caller
+        lane.ids_dev = self.lib.malloc(size)
+        lane.ids_bytes = size
+        lane.launch.ids_host, lane.launch.ids_dev, lane.launch.ids_bytes = (
+            lane.ids_host, lane.ids_dev, size)
 
 
 def _device_of(planes: Sequence) -> int:

@@ -32,13 +32,10 @@ from kvcached.core.snapshot import CacheSnapshot, RequestView
 from kvcached.core.stats import Counters
 from kvcached.errors import CacheAsleep, NoFreeBlocks
 from kvcached.memory.hostpool import HostPool
-from kvcached.memory.kvshare import allocate_kv_cache, release_kv_cache
+from kvcached.memory.kvshare import allocate_kv_cache, rank_device, release_kv_cache
 from kvcached.memory.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.memory.shm import cleanup_stale_segments
-from kvcached.ops.ctlserver import ControlServer
-from kvcached.ops.events import KVEventPublisher
 from kvcached.ops.logs import setup_process_logging, stop_process_logging
-from kvcached.ops.metrics import MetricsServer
 from kvcached.transfer.base import Transfer
 from kvcached.transfer.factory import make_transfer
 from kvcached.types import Allocation, CacheStats, HitInfo
@@ -102,14 +99,19 @@ class CacheManager:
         return self
 
     def _start_ops(self) -> None:
-        """The control socket (`kvcached ctl`), metrics and KV events, as configured."""
+        """The control socket (`kvcached ctl`), metrics and KV events, as configured.
+        Imported only when configured: they need pyzmq (and prometheus-client),
+        which a machine running only the copy path (the GPU check) may lack."""
         cfg = self.cfg
         if cfg.control_socket:
+            from kvcached.ops.ctlserver import ControlServer
             self._ops.append(ControlServer(self).start())
         if cfg.metrics_port:
+            from kvcached.ops.metrics import MetricsServer
             self.metrics = MetricsServer(self, cfg.metrics_host, cfg.metrics_port).start()
             self._ops.append(self.metrics)
         if cfg.kv_events_endpoint:
+            from kvcached.ops.events import KVEventPublisher
             self._events = KVEventPublisher(cfg.kv_events_endpoint,
                                             source=str(self.run_dir)).start()
             self._ops.append(self._events)
@@ -147,8 +149,9 @@ class CacheManager:
                 if cfg.num_cpu_blocks:
                     self._host_pools.append(HostPool.create(
                         self.run_dir, rank, cfg.num_cpu_blocks, layout.block_bytes))
-                if cfg.create_cache and cfg.device == "cpu":
-                    allocate_kv_cache(layout, cfg.num_gpu_blocks, rank, self.run_dir)
+                if cfg.create_cache:
+                    allocate_kv_cache(layout, cfg.num_gpu_blocks, rank, self.run_dir,
+                                      device=rank_device(cfg.device, rank))
                     self._created_planes.append(rank)
         except BaseException:
             self._release_shared_memory()

@@ -17,7 +17,12 @@ bf16/fp8 and would leave unmapping to us). Every field is JSON-friendly
 Caveats, all inherent to CUDA IPC: a process cannot open its own handles (so
 :func:`open_cuda_planes` in the exporting process returns the exported
 tensors), the exporter must keep the planes alive while others use them, and
-the memory stays mapped in a consumer until it drops every tensor over it.
+the memory stays mapped in a consumer until it drops every tensor over it
+(:func:`close_cuda_planes` is how a sleeping worker lets go).
+
+Device numbering differs between processes (``CUDA_VISIBLE_DEVICES``, its
+order): a descriptor names the GPU by UUID and PCI bus id, and the consumer
+maps the handle on its own index of that GPU (:func:`map_device`).
 
 Pinning: :func:`pin_host_memory` registers an existing mapping (the host
 pool's ``/dev/shm`` mmap) with ``cudaHostRegister`` in chunks: PyTorch's
@@ -28,10 +33,12 @@ raises ``RuntimeError("no CUDA device: ...")``; none crashes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,13 +95,15 @@ def export_cuda_planes(planes: list[torch.Tensor]) -> list[dict]:
     """Per plane, what another process needs to map it (JSON-friendly dict).
 
     Keys: ``shape``, ``stride``, ``storage_offset`` (elements), ``dtype``,
-    ``element_size``, ``block_bytes``, ``device_index``, ``ipc_handle`` (hex of
+    ``element_size``, ``block_bytes``, ``device_index`` (the exporter's number),
+    ``device_uuid`` and ``pci_bus_id`` (the GPU itself), ``ipc_handle`` (hex of
     the allocation's cudaIpcMemHandle_t), ``byte_offset`` (of the plane's first
     byte from the allocation base), torch's ``storage_size_bytes``,
     ``storage_offset_bytes``, ``ref_counter_*``, ``event_*``, and ``pid``.
     """
     _require_torch_cuda()
     out = []
+    ids = {}
     for i, t in enumerate(planes):
         if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
             raise ValueError(f"plane {i} must be a CUDA tensor, got "
@@ -114,6 +123,9 @@ def export_cuda_planes(planes: list[torch.Tensor]) -> list[dict]:
             "event_handle": bytes(event_handle).hex() if event_handle else None,
             "event_sync_required": bool(event_sync), "pid": os.getpid(), "ipc": "torch",
         }
+        if int(device) not in ids:
+            ids[int(device)] = device_identity(int(device))
+        entry.update(ids[int(device)])
         with _EXPORTED_LOCK:
             _EXPORTED[(entry["ipc_handle"], byte_offset)] = weakref.ref(t)
         out.append(entry)
@@ -138,6 +150,7 @@ def open_cuda_planes(desc: dict | list[dict]) -> list[torch.Tensor]:
         if e.get("pid") == os.getpid():
             out.append(_own_export(i, e))
             continue
+        device = map_device(e, local_devices())
         dtype = TORCH_DTYPES.get(e["dtype"]) or getattr(torch, e["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"plane {i}: unknown dtype {e['dtype']!r}")
@@ -145,7 +158,7 @@ def open_cuda_planes(desc: dict | list[dict]) -> list[torch.Tensor]:
         try:
             t = rebuild_cuda_tensor(
                 torch.Tensor, torch.Size(e["shape"]), tuple(e["stride"]), e["storage_offset"],
-                torch.storage.TypedStorage, dtype, e["device_index"],
+                torch.storage.TypedStorage, dtype, device,
                 bytes.fromhex(e["ipc_handle"]), e["storage_size_bytes"],
                 e["storage_offset_bytes"], False, bytes.fromhex(e["ref_counter_handle"]),
                 e["ref_counter_offset"], bytes.fromhex(event) if event else None,
@@ -171,13 +184,80 @@ def _own_export(i: int, e: dict) -> torch.Tensor:
 def close_cuda_planes(planes: list[torch.Tensor]) -> None:
     """Drop the references in ``planes`` (the list is cleared) and let torch unmap them.
 
-    The mapping goes away once no other tensor over it remains in this process.
+    Torch closes an opened IPC handle (``cudaIpcCloseMemHandle``) when the last
+    tensor over it goes; callers must have dropped every other reference (a
+    copy engine's, a fast path's) and finished every copy that uses them.
     """
     if isinstance(planes, list):
         planes.clear()
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # no kernel may still use memory we are about to unmap
         torch.cuda.ipc_collect()
+
+
+# ------------------------------------------------------------------ devices
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A CUDA device as this process numbers it, and what names it everywhere."""
+
+    index: int
+    uuid: str  # 32 hex digits (cudaDeviceProp.uuid)
+    pci_bus_id: str  # "0000:3b:00.0"
+
+
+def device_identity(index: int) -> dict:
+    """``device_uuid`` and ``pci_bus_id`` of this process's device ``index``."""
+    lib = _require_device()
+    return {"device_uuid": lib.device_uuid(index).hex(),
+            "pci_bus_id": normalize_pci_bus_id(lib.device_pci_bus_id(index))}
+
+
+@functools.lru_cache(maxsize=1)
+def local_devices() -> tuple[DeviceInfo, ...]:
+    """Every device this process can see (they do not change while it runs)."""
+    lib = _require_device()
+    return tuple(DeviceInfo(i, lib.device_uuid(i).hex(),
+                            normalize_pci_bus_id(lib.device_pci_bus_id(i)))
+                 for i in range(lib.device_count()))
+
+
+def normalize_pci_bus_id(bus_id: str) -> str:
+    """``domain:bus:device.function`` in lower case with a 4-digit domain, whatever
+    the source wrote ("00000000:3B:00.0" from nvidia-smi, "0000:3b:00.0" from CUDA)."""
+    try:
+        domain, bus, rest = bus_id.strip().lower().split(":")
+        dev, fn = rest.split(".")
+        return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{int(fn, 16):x}"
+    except ValueError:
+        return bus_id.strip().lower()
+
+
+def map_device(entry: dict, devices: Sequence[DeviceInfo]) -> int:
+    """This process's index of the GPU a descriptor entry names (UUID, else PCI bus id).
+
+    The exporter's ``device_index`` counts in the exporter's numbering, which
+    differs from ours whenever ``CUDA_VISIBLE_DEVICES`` does; it is used only
+    for descriptors that carry no identity (written by an older kvcached).
+    """
+    uuid, pci = entry.get("device_uuid"), entry.get("pci_bus_id")
+    if uuid:
+        for d in devices:
+            if d.uuid == uuid:
+                return d.index
+    if pci:
+        want = normalize_pci_bus_id(pci)
+        for d in devices:
+            if d.pci_bus_id == want:
+                return d.index
+    if uuid or pci:
+        seen = ", ".join(f"{d.index}: {d.uuid} ({d.pci_bus_id})" for d in devices) or "none"
+        raise RuntimeError(
+            f"the KV planes live on GPU {uuid} ({pci}; device {entry.get('device_index')} of "
+            f"the exporting process), which this process cannot see (visible: {seen}); "
+            "start it with a CUDA_VISIBLE_DEVICES that includes that GPU")
+    logger.warning("KV descriptor names its GPU by index only (%s): assuming this process "
+                   "numbers devices the same way", entry.get("device_index"))
+    return int(entry["device_index"])
 
 
 def allocate_cuda_planes(layout: KVLayout, num_blocks: int,

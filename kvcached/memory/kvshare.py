@@ -42,6 +42,10 @@ FORMAT_VERSION = 1
 PLANE_ALIGN = 64  # bytes between planes of one segment: cache-line / vector friendly
 _POLL_MAX_S = 0.05
 
+# (run_dir, rank) -> CUDA planes this process allocated for others to map: the
+# memory must live while they do, so it is held here until release_kv_cache.
+_CUDA_CREATED: dict[tuple[str, int], list[torch.Tensor]] = {}
+
 
 # ------------------------------------------------------------------ paths
 def descriptor_path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -211,10 +215,12 @@ def export_kv_cache(planes: list[torch.Tensor], rank: int,
     CPU planes must live in a kvcached shared-memory segment (see
     :func:`allocate_kv_cache`); CUDA planes are exported through CUDA IPC by
     ``kvcached.memory.cuda_ipc``. The planes must stay alive while others use them.
-    ``event``: on CUDA, a ``torch.cuda.Event(interprocess=True)`` the engine
-    records on its compute stream after each forward pass; the worker's
-    swap-outs wait on its latest record, so they never read KV still being
-    written.
+    ``event``: on CUDA, the rank's :class:`kvcached.memory.kvevent.KVEvent`,
+    recorded on the compute stream after each forward pass and before the
+    blocks it wrote are committed; every copy of this rank waits on its
+    latest record and checks its generation (see kvevent). A bare
+    ``torch.cuda.Event(interprocess=True)`` still orders the copies, without
+    the generation checks.
     """
     _validate_planes(planes)
     device = planes[0].device
@@ -234,11 +240,37 @@ def export_kv_cache(planes: list[torch.Tensor], rank: int,
             "device_type": device.type, "num_blocks": planes[0].shape[0],
             "planes": entries}
     if event is not None:
-        desc["event_ipc_handle"] = bytes(event.ipc_handle()).hex()
+        desc.update(_event_fields(event))
     path = descriptor_path(run_dir, rank)
     _write_atomic(path, desc)
     logger.info("exported %d KV planes of rank %d (%s, %d blocks) to %s",
                 len(planes), rank, device, planes[0].shape[0], path)
+    return path
+
+
+def _event_fields(event) -> dict:
+    from kvcached.memory import kvevent
+    if isinstance(event, kvevent.KVEvent):
+        return event.descriptor_fields()
+    logger.warning("export_kv_cache: a bare CUDA event orders the copies but cannot be "
+                   "checked; pass a kvcached.memory.kvevent.KVEvent for generation checks")
+    handle = bytes(event.ipc_handle()).hex()
+    kvevent.remember_local_event(handle, event)
+    return {"event_ipc_handle": handle, "event_pid": os.getpid()}
+
+
+def export_kv_event(event, rank: int, run_dir: str | os.PathLike) -> Path:
+    """Add rank ``rank``'s KV event to its existing descriptor (an engine whose
+    planes kvcached created, ``create_cache``, publishes its event this way)."""
+    path = descriptor_path(run_dir, rank)
+    desc = _try_read(path)
+    if desc is None:
+        raise FileNotFoundError(f"KV descriptor {path} does not exist yet: "
+                                f"{_who_creates(rank, run_dir)}")
+    for key in ("event_ipc_handle", "event_epoch", "event_clock", "event_pid"):
+        desc.pop(key, None)
+    desc.update(_event_fields(event))
+    _write_atomic(path, desc)
     return path
 
 
@@ -328,6 +360,19 @@ def _allocate_cpu(layout: KVLayout, num_blocks: int, rank: int,
     return planes
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Where rank ``rank``'s planes go when kvcached creates them: ``cpu``; for
+    ``cuda``, the rank's own GPU (rank modulo the visible GPUs: rank r of a
+    one-process TP engine on GPU r); ``cuda:N`` exactly as named."""
+    if device != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise RuntimeError("no CUDA device: device='cuda' with create_cache needs a GPU "
+                           f"visible to this process (torch {torch.__version__} sees none)")
+    return f"cuda:{rank % count}"
+
+
 def allocate_kv_cache(layout: KVLayout, num_blocks: int, rank: int,
                       run_dir: str | os.PathLike, device: str = "cpu",
                       owner_pid: int | None = None) -> list[torch.Tensor]:
@@ -337,7 +382,9 @@ def allocate_kv_cache(layout: KVLayout, num_blocks: int, rank: int,
     aligned offsets, named after ``owner_pid`` (default: this process). A
     worker that creates the cache for an engine passes the engine's pid, so
     the segment survives the worker's crash (stale cleanup follows the owner).
-    On CUDA ``kvcached.memory.cuda_ipc`` allocates them. Undo with :func:`release_kv_cache`.
+    On CUDA ``kvcached.memory.cuda_ipc`` allocates them (one allocation, one IPC
+    handle) and this module holds them until :func:`release_kv_cache`, since
+    other processes map them. Undo with :func:`release_kv_cache`.
     """
     owner_pid = os.getpid() if owner_pid is None else owner_pid
     if num_blocks <= 0:
@@ -364,6 +411,8 @@ def allocate_kv_cache(layout: KVLayout, num_blocks: int, rank: int,
         if dev.type == "cpu":
             shm.remove_segment(_kv_segment_name(run_dir, rank, owner_pid))
         raise
+    if dev.type == "cuda":
+        _CUDA_CREATED[(str(Path(run_dir)), int(rank))] = planes
     return planes
 
 
@@ -382,6 +431,9 @@ def release_kv_cache(run_dir: str | os.PathLike, rank: int) -> None:
     if desc is not None:
         names.update(e["segment"] for e in desc.get("planes", []) if "segment" in e)
     path.unlink(missing_ok=True)
+    created = _CUDA_CREATED.pop((str(Path(run_dir)), int(rank)), None)
+    if created is not None:
+        created.clear()  # torch frees the allocation once its importers let go too
     mine = set(shm.created_segments())
     owned = {n for n in names if n.startswith(f"{shm.PREFIX}{os.getpid()}-")}
     for name in sorted(names & (mine | owned)):

@@ -4,6 +4,13 @@ Used in the engine process by ``InProcessTransfer`` (one per rank) and in each
 transfer worker process. It finds the rank's planes through the run
 directory (``kvcached.export_kv_cache`` / ``allocate_kv_cache``) and the host
 pool by name, so both transfer modes see exactly the same memory.
+
+On CUDA every copy waits on the engine's KV event (kvcached.memory.kvevent):
+swap-outs and stores after the forward that wrote the blocks, swap-ins and
+loads after any kernel that still reads the blocks they overwrite. A task's
+event stamp is checked first; a task that cannot be ordered fails untouched.
+In the exporting process itself (in-process transfers) the event is the
+engine's own object: CUDA does not open a process's own IPC handles.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from kvcached.config import CacheConfig
@@ -34,7 +42,10 @@ class RankExecutor:
         self.engine = None
         self.store = None  # BlockStore when a storage backend is configured
         self._pinned = None  # CUDA registration of the host pool mapping
-        self._event = None  # the engine's IPC event that swap-outs wait on (CUDA)
+        self._event = None  # the engine's KV event every CUDA copy waits on (raw handle)
+        self._event_opened = False  # opened from its IPC handle (ours to destroy)
+        self._clock = None  # the event's generation clock (kvevent.EventClock)
+        self._broken: Exception | None = None  # a fatal error: CUDA is unusable here
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
@@ -56,37 +67,93 @@ class RankExecutor:
         if self.cfg.device == "cuda":
             from kvcached.copy.cuda import CudaCopyEngine
             from kvcached.memory.cuda_ipc import pin_host_memory
+            cfg = self.cfg
             # The shm mapping is this process's: register it (in chunks) here.
             self._pinned = pin_host_memory(self.host.tensor)
-            self._event = self._open_engine_event()
-            return CudaCopyEngine(self.planes, self.host.tensor, offsets)
+            engine = CudaCopyEngine(self.planes, self.host.tensor, offsets,
+                                    mode=(cfg.cuda_copy_d2h, cfg.cuda_copy_h2d),
+                                    grid_blocks=cfg.cuda_grid_blocks,
+                                    block_threads=cfg.cuda_block_threads)
+            self.engine = engine  # close() frees it if the event cannot be opened
+            self._open_engine_event()  # on the planes' device (the engine set it)
+            return engine
         from kvcached.copy.cpu import CpuCopyEngine
         return CpuCopyEngine(self.planes, self.host.tensor, offsets,
                              threads=self.cfg.copy_threads)
 
-    def _open_engine_event(self):
-        """The engine's interprocess compute-stream event, if it exported one."""
-        from kvcached.copy.cuda import open_ipc_event
+    def _open_engine_event(self) -> None:
+        """The engine's KV event and its clock, as the rank's descriptor names them."""
+        from kvcached.memory import kvevent
         from kvcached.memory.kvshare import read_descriptor
-        handle = read_descriptor(self.run_dir, self.rank).get("event_ipc_handle")
-        return open_ipc_event(bytes.fromhex(handle)) if handle else None
+        self._close_event()
+        desc = read_descriptor(self.run_dir, self.rank)
+        handle = desc.get("event_ipc_handle")
+        if not handle:
+            return
+        if desc.get("event_pid", desc.get("pid")) == os.getpid():
+            self._event = kvevent.local_event(handle)
+            if self._event is None:
+                raise RuntimeError(f"rank {self.rank}: this process exported a KV event but "
+                                   "no longer holds it; keep the KVEvent alive while serving")
+        else:
+            from kvcached.copy.cuda import open_ipc_event
+            self._event, self._event_opened = open_ipc_event(bytes.fromhex(handle)), True
+        if desc.get("event_clock"):
+            self._clock = kvevent.EventClock.open(Path(self.run_dir) / desc["event_clock"])
 
-    def _swap_out(self, device_ids, host_ids) -> int:
-        if self._event is not None:  # order after the engine's writes (CUDA only)
-            return self.engine.swap_out(device_ids, host_ids, wait_event=self._event)
-        return self.engine.swap_out(device_ids, host_ids)
+    def _close_event(self) -> None:
+        if self._event_opened and self._event:
+            from kvcached.copy import cuda as kvc
+            try:
+                kvc.load().event_destroy(self._event)
+            except RuntimeError as e:  # a broken context: the process is going anyway
+                logger.warning("rank %d: closing the engine's KV event: %s", self.rank, e)
+        if self._clock is not None:
+            self._clock.close()
+        self._event, self._event_opened, self._clock = None, False, None
+
+    def _ordered(self, task: Task) -> dict[str, Any]:
+        """``wait_event`` for a copy of ``task`` (CUDA), after checking its stamp."""
+        if self.cfg.device != "cuda":
+            return {}
+        from kvcached.memory import kvevent
+        stamp = task.args.get(kvevent.STAMP_ARG)
+        if stamp is not None:
+            try:
+                kvevent.check_stamp(task.kind, stamp, self.rank, self._clock,
+                                    self._event is not None)
+            except kvevent.OrderingError:
+                # The engine may have exported a new event since we attached.
+                self._open_engine_event()
+                kvevent.check_stamp(task.kind, stamp, self.rank, self._clock,
+                                    self._event is not None)
+        return {"wait_event": self._event} if self._event is not None else {}
+
+    def _swap_out(self, task: Task, device_ids, host_ids) -> int:
+        return self.engine.swap_out(device_ids, host_ids, **self._ordered(task))
+
+    def _swap_in(self, task: Task, host_ids, device_ids) -> int:
+        return self.engine.swap_in(host_ids, device_ids, **self._ordered(task))
 
     def run(self, task: Task) -> dict[str, Any]:
         """Execute one task on this rank; returns {"bytes": n, ...} (the Done's
         elapsed_s times it)."""
+        try:
+            return self._run(task)
+        except Exception as e:
+            if getattr(e, "fatal", False):
+                self._broken = e  # close() then only logs what else fails
+            raise
+
+    def _run(self, task: Task) -> dict[str, Any]:
         if task.kind == "noop":
             return {"bytes": 0}
         if self.engine is None:
             raise RuntimeError(f"rank {self.rank}: no host pool (num_cpu_blocks=0, or asleep)")
         if task.kind == "swap_out":
-            out = {"bytes": self._swap_out(task.src, task.dst)}
+            out = {"bytes": self._swap_out(task, task.src, task.dst)}
         elif task.kind == "swap_in":
-            out = {"bytes": self.engine.swap_in(task.src, task.dst)}
+            out = {"bytes": self._swap_in(task, task.src, task.dst)}
         elif task.kind in ("store", "load", "lookup"):
             out = self._storage_task(task)
         else:
@@ -107,7 +174,7 @@ class RankExecutor:
     def _store(self, task: Task, hashes: list[bytes]) -> dict[str, Any]:
         """Write-through: optionally stage GPU blocks into the host blocks first."""
         device_ids = task.args.get("device_ids")
-        nbytes = self._swap_out(device_ids, task.src) if device_ids else 0
+        nbytes = self._swap_out(task, device_ids, task.src) if device_ids else 0
         ok = self.store.store(hashes, self.host.tensor, task.src)
         return {"bytes": nbytes, "stored": [int(x) for x in ok]}
 
@@ -123,7 +190,8 @@ class RankExecutor:
             if done < end or (stop is not None and time.monotonic() > stop):
                 break
         device_ids = task.args.get("device_ids")
-        nbytes = self.engine.swap_in(task.dst[:done], device_ids[:done]) if device_ids else 0
+        nbytes = self._swap_in(task, task.dst[:done], device_ids[:done]) if device_ids and done \
+            else 0
         return {"prefix": done, "bytes": nbytes}
 
     def attach_storage(self, cfg: CacheConfig) -> bool:
@@ -151,20 +219,45 @@ class RankExecutor:
             self.store.set_namespace(namespace)
 
     def close(self, final: bool = True) -> None:
-        """Detach from the planes and host pool; ``final`` also closes storage."""
+        """Detach from the planes and host pool; ``final`` also closes storage.
+
+        On CUDA the mappings are released, not just dropped: the copy engine
+        finishes and frees its streams, the host pool is unregistered, the
+        engine's event closed, and the planes' IPC mappings closed (sleep lets
+        go of the engine's memory; wakeup maps it again through ``open``).
+        Every step runs even when an earlier one fails; the first failure is
+        raised at the end.
+        """
+        errors: list[Exception] = []
+
+        def attempt(fn, *args) -> None:
+            try:
+                fn(*args)
+            except Exception as e:  # keep releasing the rest
+                logger.warning("rank %d: close: %s", self.rank, e)
+                errors.append(e)
+
         if self.store is not None:
-            self.store.release_host_pool()
+            attempt(self.store.release_host_pool)
             if final:
-                self.store.close()
+                attempt(self.store.close)
                 self.store = None
         if self.engine is not None and hasattr(self.engine, "close"):
-            self.engine.close()
+            attempt(self.engine.close)
         self.engine = None
+        attempt(self._close_event)
         if self._pinned is not None:
             from kvcached.memory.cuda_ipc import unpin
-            unpin(self._pinned)
+            attempt(unpin, self._pinned)
             self._pinned = None
         if self.host is not None:
             self.host.close()
             self.host = None
-        self.planes = None
+        planes, self.planes = self.planes, None
+        if planes is not None and self.cfg.device == "cuda":
+            from kvcached.memory.cuda_ipc import close_cuda_planes
+            attempt(close_cuda_planes, planes)
+        # After a fatal error every CUDA call fails: what could be released was.
+        if errors and self._broken is None and not any(getattr(e, "fatal", False)
+                                                       for e in errors):
+            raise errors[0]

@@ -24,6 +24,11 @@ class InProcessTransfer(Transfer):
         super().__init__()
         self.cfg = cfg
         self.executors = [RankExecutor(cfg, run_dir, r) for r in range(cfg.tp_size)]
+        self._stamper = None  # CUDA: stamps copies with the engine's KV event generations
+        if cfg.device == "cuda":
+            from kvcached.memory.kvevent import EventStamper
+            self._stamper = EventStamper(run_dir, cfg.tp_size)
+        self._broken = ""  # a sticky CUDA error: this process cannot copy any more
 
     def start(self) -> None:
         for ex in self.executors:
@@ -31,6 +36,8 @@ class InProcessTransfer(Transfer):
 
     def submit(self, task: Task) -> TaskHandle:
         handle = self.new_handle(task)
+        if self._stamper is not None:
+            self._stamper.stamp(task)
         t0 = time.perf_counter()
         per_rank, errors = {}, []
         for ex in self.executors:
@@ -39,6 +46,10 @@ class InProcessTransfer(Transfer):
             except Exception as e:  # a bad task fails; the engine keeps serving
                 errors.append(f"rank {ex.rank}: {e}")
                 per_rank[ex.rank] = {"error": str(e)}
+                if getattr(e, "fatal", False) and not self._broken:
+                    # No copy can run in this process again: the CPU tier goes off.
+                    self._broken = str(e)
+                    logger.error("in-process transfer broken, the CPU tier goes off: %s", e)
         ok = not errors
         handle.complete(TaskResult(task.task_id, ok, "; ".join(errors),
                                    elapsed_s=time.perf_counter() - t0,
@@ -46,9 +57,15 @@ class InProcessTransfer(Transfer):
                                    result=merge_results(per_rank) if ok else {}))
         return handle
 
+    @property
+    def healthy(self) -> bool:
+        return not self._broken
+
     def close(self) -> None:
         for ex in self.executors:
             ex.close()
+        if self._stamper is not None:
+            self._stamper.close()
 
     def control(self, op: str, args=None, timeout_s: float = 10.0) -> dict:
         """Copies are synchronous here, so pause/resume have nothing to hold."""

@@ -10,7 +10,10 @@ Threads and sockets (each socket has exactly one owning thread):
     lane "ctl"    control operations and noop           (own PUSH socket)
 
 A bad frame gets an error reply and the worker keeps running; a failed copy
-is a failed Done (copy engines check ids before touching memory). The worker
+is a failed Done (copy engines check ids before touching memory). A fatal
+failure (a sticky CUDA error: the process's context is broken for good) is a
+failed Done too, and then the worker exits with ``EXIT_FATAL`` so that the
+coordinator starts a fresh process. The worker also
 exits when its engine is gone: the engine pid disappears, or, once
 connected, nothing arrived from the coordinator for ``engine_timeout_s``.
 """
@@ -41,6 +44,9 @@ LANE_OF = {"swap_out": "out", "store": "out", "swap_in": "in", "load": "in",
            "lookup": "in", "control": "ctl", "noop": "ctl"}
 HELLO_RETRY_S = 1.0
 EXIT_REFUSED = 3  # exit code when the coordinator refused our hello (the launcher reads it)
+EXIT_FATAL = 4  # a task hit a fatal error (a broken CUDA context): restart me
+FATAL_LINGER_MS = 1000  # at a fatal exit, the failed Done still gets this long to go out
+FATAL_DRAIN_S = 2.0  # after a fatal error, lanes' Dones are forwarded for at most this long
 INLINE_MAX_BLOCKS = 8  # swaps up to this size run on the socket thread (microseconds)
 # Engine liveness, hello retries and heartbeats run at most this often, not once
 # per message: a busy worker handles frames back to back.
@@ -114,6 +120,12 @@ class Worker:
         self.tasks_done = 0
         self.tasks_failed = 0
         self.tasks_fast = 0  # of tasks_done, those served by the native fast path
+        self.fatal = ""  # set (by any thread) when a task failed fatally: exit soon
+        # On CUDA a copy waits for the engine's KV event (up to a forward pass):
+        # never on the socket thread, where heartbeats and the other direction
+        # would wait with it.
+        self._inline_copies = cfg.device != "cuda"
+        self._fatal_at = 0.0
 
     # --------------------------------------------------------------- running
     def run(self) -> int:
@@ -129,7 +141,10 @@ class Worker:
         for lane in self.lanes.values():
             lane.start()
         try:
-            return self._loop(sock, pull)
+            code = self._loop(sock, pull)
+            if code == EXIT_FATAL:  # the failed Done is queued: let it reach the engine
+                sock.setsockopt(zmq.LINGER, FATAL_LINGER_MS)
+            return code
         finally:
             for lane in self.lanes.values():
                 lane.tasks.put(None)
@@ -138,7 +153,10 @@ class Worker:
                 lane.join(timeout=max(0.0, deadline - time.monotonic()))
             sock.close()
             pull.close()
-            self.executor.close()
+            try:
+                self.executor.close()
+            except Exception as e:  # the exit code says why we stop, not this
+                logger.error("worker rank %d: closing its memory failed: %s", self.rank, e)
             logger.info("worker rank %d stopped: %s", self.rank, self.stop_reason)
 
     def _loop(self, sock: zmq.Socket, pull: zmq.Socket) -> int:
@@ -150,6 +168,13 @@ class Worker:
         next_chores = 0.0
         errors = 0
         while True:
+            # Exit once the lanes' Dones (the fatal one among them: they fail fast
+            # now) were forwarded, or after FATAL_DRAIN_S whatever a lane is doing.
+            if self.fatal and (not self._owed
+                               or time.monotonic() - self._fatal_at > FATAL_DRAIN_S):
+                self.stop_reason = f"fatal: {self.fatal}"
+                logger.error("worker rank %d exits: %s", self.rank, self.stop_reason)
+                return EXIT_FATAL
             try:
                 now = time.monotonic()
                 if now >= next_chores:
@@ -298,7 +323,7 @@ class Worker:
                   dst: list[int], args: dict[str, Any]) -> None:
         """Run a task here (small ones, see ``_inline_ok``) or queue it on its lane."""
         lane = self.lanes[LANE_OF[kind]]
-        if self._inline_ok(kind, len(src), lane):
+        if self._inline_ok(kind, len(src), lane) and (self._inline_copies or kind == "noop"):
             self._send(sock, self.execute(task_id, kind, src, dst, args))  # no hand-offs
         else:
             lane.outstanding += 1
@@ -322,6 +347,13 @@ class Worker:
         except Exception as e:
             self.tasks_failed += 1
             logger.error("worker rank %d: %s task %d failed: %s", self.rank, kind, task_id, e)
+            if getattr(e, "fatal", False):
+                # Nothing of this task counts as copied (its Done fails), and no
+                # later task can succeed in this process: the loop exits once
+                # this Done is on its way, and the coordinator restarts us.
+                if not self.fatal:
+                    self._fatal_at = time.monotonic()
+                    self.fatal = f"{type(e).__name__}: {e}"
             return P.Done(task_id, self.rank, ok=False, error=P.clip(f"{e}"),
                           elapsed_s=time.perf_counter() - t0).encode()
 

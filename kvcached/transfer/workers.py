@@ -119,6 +119,10 @@ class WorkerTransfer(Transfer):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._healthy = True
+        self._stamper = None
+        if cfg.device == "cuda":
+            from kvcached.memory.kvevent import EventStamper
+            self._stamper = EventStamper(self.run_dir, cfg.tp_size)
         self._paused = False  # pause/sleep: tasks are held here, in order, until resume
         self._held: list[TaskHandle] = []
         self._hb_seq = 0
@@ -202,6 +206,8 @@ class WorkerTransfer(Transfer):
     # ------------------------------------------------------------ submitting
     def submit(self, task: Task) -> TaskHandle:
         handle = self.new_handle(task)
+        if self._stamper is not None:  # CUDA: each rank's KV event generation (kvevent)
+            self._stamper.stamp(task)
         if self._stop.is_set():
             handle.complete(TaskResult(task.task_id, False, "transfer closed"))
             return handle
