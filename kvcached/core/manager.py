@@ -106,6 +106,8 @@ class CacheManager(EvictionMixin, FetchMixin):
         self._asleep = False
         self._paused = False
         self._host_released = False
+        self._draining = False  # sleep(drain=True) waits: allocate raises CacheAsleep
+        self._drained = threading.Condition(self._lock)  # notified when the last request frees
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> CacheManager:
@@ -224,6 +226,9 @@ class CacheManager(EvictionMixin, FetchMixin):
         """
         with self._lock:
             self._check_serving()
+            if self._draining:
+                raise CacheAsleep("kvcached is draining to sleep: running requests finish, "
+                                  "new ones wait for wakeup()")
             self._reap()
             if request_id in self._reqs:
                 raise ValueError(f"request {request_id!r} is already allocated; free() it first")
@@ -465,6 +470,8 @@ class CacheManager(EvictionMixin, FetchMixin):
                 self._await(req.alloc._handles, self.cfg.task_timeout_s + 5.0)
             self._reap()
             del self._reqs[request_id]
+            if self._draining and not self._reqs:
+                self._drained.notify_all()
             self._clock += 1
             self._unref_path(req.nodes)
             private = req.blocks[len(req.nodes):]
@@ -556,14 +563,43 @@ class CacheManager(EvictionMixin, FetchMixin):
             self._paused = False
             return {**res, "changed": changed, "paused": False}
 
-    def sleep(self, release_host_pool: bool = False) -> dict:
+    def sleep(self, release_host_pool: bool = False, drain: bool = False,
+              drain_timeout_s: float = 60.0) -> dict:
         """Pause and detach from the engine's KV planes (the engine may free them).
 
         The GPU tier's contents are forgotten (blocks with a CPU copy stay in
         the CPU tier); with ``release_host_pool`` the CPU tier is emptied and
         its shared memory released too. ``allocate`` raises CacheAsleep until
-        ``wakeup``. Running requests must be freed first.
+        ``wakeup``. Running requests must be freed first; with ``drain``,
+        ``allocate`` raises CacheAsleep at once while the running requests
+        finish (up to ``drain_timeout_s``: then TimeoutError, nothing changed).
         """
+        if not drain:
+            return self._sleep(release_host_pool)
+        with self._lock:
+            if self._asleep:
+                return {"changed": False, "asleep": True}
+            self._draining = True
+        try:
+            self._wait_drained(drain_timeout_s)
+            return self._sleep(release_host_pool)
+        finally:
+            with self._lock:
+                self._draining = False
+
+    def _wait_drained(self, timeout_s: float) -> None:
+        """Wait until no request runs (the wait releases the lock: the engine frees)."""
+        deadline = time.monotonic() + timeout_s
+        with self._drained:
+            while self._reqs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"sleep --drain: {len(self._reqs)} requests still running after "
+                        f"{timeout_s:.1f}s; nothing changed, new requests are served again")
+                self._drained.wait(left)
+
+    def _sleep(self, release_host_pool: bool) -> dict:
         with self._lock:
             if self._asleep:
                 return {"changed": False, "asleep": True}
@@ -658,7 +694,7 @@ class CacheManager(EvictionMixin, FetchMixin):
         st = self.stats()
         transfer = self._transfer.stats() if self._transfer else {}
         return {"run_dir": str(self.run_dir), "log_dir": str(self.log_dir),
-                "paused": self._paused, "asleep": self._asleep,
+                "paused": self._paused, "asleep": self._asleep, "draining": self._draining,
                 "cpu_tier": self.cpu_enabled, "weight_version": self.cfg.weight_version,
                 "transfer_mode": self.cfg.transfer_mode, "tp_size": self.cfg.tp_size,
                 "stats": st.to_dict(), "workers": st.workers,
