@@ -634,6 +634,20 @@ class CacheManager(EvictionMixin, FetchMixin):
             self._paused = self._asleep = False
             return {"changed": True, "asleep": False, "ranks": res.get("ranks", {})}
 
+    def restart_workers(self) -> dict:
+        """Restart transfer workers that gave up (their crash count starts over)
+        and, once every rank is ready, turn the CPU tier back on (it comes back
+        empty: ``_disable_cpu_tier`` dropped its blocks); storage follows it."""
+        res = self._transfer.restart_workers(self.cfg.worker_start_timeout_s)  # no lock held
+        with self._lock:
+            back = (not self.cpu_enabled and self.cfg.num_cpu_blocks > 0 and not self._closed
+                    and self._transfer.healthy)
+            if back:
+                self.cpu_enabled = True
+                logger.warning("transfer workers are back: CPU tier on again")
+            return {**res, "changed": bool(res.get("changed") or back),
+                    "cpu_tier": self.cpu_enabled}
+
     def update_weights(self, version: str) -> dict:
         """Switch to the namespace of weight ``version``: nothing computed with
         other weights is matched again, in any tier (old blocks age out by LRU)."""
