@@ -50,10 +50,14 @@ def counts(mgr) -> dict:
     return st
 
 
-def serve(make_manager, monkeypatch, setup: dict, evict, seed: int):
+def serve(make_manager, monkeypatch, setup: dict, evict, seed: int, store):
     """Every state along a random workload that also pauses (eviction drops
-    instead of swapping) and makes swap-outs fail (rollback, then drop)."""
+    instead of swapping) and makes swap-outs fail (rollback, then drop).
+    ``store``: a storage directory of this run alone (a shared one would let
+    the second run hit what the first one stored)."""
     monkeypatch.setattr(eviction_mod, "native_evict_gpu", evict)
+    if setup.get("storage_backend"):
+        setup = {**setup, "storage_url": str(store)}
     mgr = make_manager(transfer=FlakyTransfer, **setup)
     steps = []
     for _, rng, _ in running_workload(mgr, seed):
@@ -69,7 +73,8 @@ def serve(make_manager, monkeypatch, setup: dict, evict, seed: int):
 
 @pytest.mark.parametrize("setup", SETUPS.values(), ids=SETUPS.keys())
 @pytest.mark.parametrize("seed", [1, 2])
-def test_native_eviction_is_the_python_loop(native, make_manager, monkeypatch, setup, seed):
+def test_native_eviction_is_the_python_loop(native, make_manager, monkeypatch, setup, seed,
+                                           tmp_path):
     calls = dict.fromkeys(("evict", "flush", *CALLBACKS), 0)
     inside = []
 
@@ -89,8 +94,8 @@ def test_native_eviction_is_the_python_loop(native, make_manager, monkeypatch, s
             return _orig(self, node)
         monkeypatch.setattr(CacheManager, name, spy)
 
-    want, want_counts = serve(make_manager, monkeypatch, setup, None, seed)
-    got, got_counts = serve(make_manager, monkeypatch, setup, evict, seed)
+    want, want_counts = serve(make_manager, monkeypatch, setup, None, seed, tmp_path / "s1")
+    got, got_counts = serve(make_manager, monkeypatch, setup, evict, seed, tmp_path / "s2")
     assert len(got) == len(want) > 100
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, i

@@ -42,6 +42,10 @@ _DAMAGED = {"short_read", "bad_magic", "bad_header_crc", "length_mismatch",
             "checksum_mismatch", "wrong_block"}
 
 
+# storage_max_bytes = 0: the file store may take this share of the free disk.
+DEFAULT_DISK_FRACTION = 0.1
+
+
 def default_file_dir() -> str:
     """Where the file backend lives when ``storage_url`` is empty."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -82,8 +86,9 @@ class BlockStore:
             url = url or default_file_dir()
             # Every rank's process shares the directory: each enforces its share
             # of the cap over the objects of its own rank.
-            share = cfg.storage_max_bytes // cfg.tp_size if cfg.storage_max_bytes else 0
-            opts = {"max_bytes": max(share, 1) if cfg.storage_max_bytes else 0,
+            cap = cfg.storage_max_bytes
+            opts = {"max_bytes": max(cap // cfg.tp_size, 1) if cap > 0 else 0,
+                    "disk_fraction": DEFAULT_DISK_FRACTION / cfg.tp_size if cap == 0 else 0.0,
                     "index_suffix": f"/{rank}of{cfg.tp_size}"}
         backend = open_backend(kind, url, **opts)
         ns = storage_namespace(cfg.model_id, cfg.weight_version, cfg.salt)
