@@ -18,7 +18,7 @@ from kvcached.transfer.base import Task
 
 logger = logging.getLogger(__name__)
 
-LOAD_CHUNK = 16  # blocks read per storage batch; the load deadline is checked between
+LOAD_CHUNK = 16  # blocks read per storage batch; the load policy is applied between
 
 
 class RankExecutor:
@@ -112,15 +112,21 @@ class RankExecutor:
         return {"bytes": nbytes, "stored": [int(x) for x in ok]}
 
     def _load(self, task: Task, hashes: list[bytes]) -> dict[str, Any]:
-        """Storage -> host blocks (in chunks, until the deadline) -> GPU blocks."""
-        deadline = task.args.get("deadline_s")
-        stop = time.monotonic() + deadline if deadline else None
+        """Storage -> host blocks (chunk by chunk) -> GPU blocks; what arrived is
+        used, the rest is recomputed. Between chunks, ``storage_load_policy``
+        decides: ``best_effort`` stops at the first check (one chunk: it never
+        waits for a second read), ``timeout`` once ``storage_load_timeout_s``
+        passed, ``wait_complete`` never (every block the lookup found)."""
+        policy = self.cfg.storage_load_policy
+        deadline = task.args.get("deadline_s", self.cfg.storage_load_timeout_s)
+        stop = time.monotonic() + deadline if policy == "timeout" else None
         done = 0
         while done < len(hashes):
             start, end = done, min(done + LOAD_CHUNK, len(hashes))
             done = start + self.store.load(hashes[start:end], self.host.tensor,
                                            task.dst[start:end])
-            if done < end or (stop is not None and time.monotonic() > stop):
+            if (done < end or policy == "best_effort"
+                    or (stop is not None and time.monotonic() > stop)):
                 break
         device_ids = task.args.get("device_ids")
         nbytes = self.engine.swap_in(task.dst[:done], device_ids[:done]) if device_ids else 0
