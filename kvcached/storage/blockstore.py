@@ -194,6 +194,20 @@ class BlockStore:
         return {**self.counters.snapshot(), "namespace": self.namespace,
                 "backend": self.backend.stats()}
 
+    def health(self) -> dict:
+        """What `kvcached status` shows of this rank's storage: traffic, space (file
+        store), objects rejected on read by reason (each a miss), backend errors."""
+        c, b = self.counters.snapshot(), self.backend.stats()
+        out = {"kind": b.get("kind", "?"), "loaded": c["blocks_loaded"],
+               "stored": c["blocks_stored"], "store_failed": c["blocks_store_failed"],
+               "load_misses": c["load_misses"], "damaged_deleted": c["damaged_deleted"],
+               "rejected": {r: c[f"miss_{r}"] for r in MISS_REASONS if c[f"miss_{r}"]},
+               "errors": b.get("errors", 0), "timeouts": b.get("timeouts", 0),
+               "breaker": b.get("breaker_state", "")}
+        if "bytes_used" in b:
+            out.update(used_bytes=b["bytes_used"], max_bytes=b.get("max_bytes", 0))
+        return out
+
     def release_host_pool(self) -> None:
         """Forget cached host pool views (call before the pool is freed, e.g. sleep)."""
         with self._lock:

@@ -152,6 +152,11 @@ class RankExecutor:
         self.store = None
         return True
 
+    def storage_health(self) -> dict[str, Any]:
+        """This rank's storage as `kvcached status` shows it ({} without storage)."""
+        store = self.store
+        return store.health() if store is not None else {}
+
     def set_namespace(self, namespace: str) -> None:
         if self.store is not None:
             self.store.set_namespace(namespace)
