@@ -17,6 +17,27 @@ import click
 from kvcached.config import CacheConfig
 
 
+class Finite(click.FloatRange):
+    """A finite number in range (``inf`` and ``nan`` are usage errors; FloatRange
+    alone lets ``nan`` through, as every comparison with it is false)."""
+
+    name = "number"
+    what = "number"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite {self.what}", param, ctx)
+        return number
+
+
+class Seconds(Finite):
+    """A finite number of seconds in range."""
+
+    name = "seconds"
+    what = "number of seconds"
+
+
 class _LazyGroup(click.Group):
     """A group whose heavy subcommands are imported only when invoked: `kvcached
     status` and `kvcached ctl` must not pay for numpy or torch (`bench` imports
@@ -93,7 +114,7 @@ def _worker_config(run_dir: str, config_path: str | None, config_file: str) -> C
               "at: prints its run dir and metrics URL, serves until Ctrl-C")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="with --serve: the engine's run directory (default: a new temporary one)")
-@click.option("--rate", type=click.FloatRange(min=0.1, max=1000.0), default=20.0,
+@click.option("--rate", type=Finite(min=0.1, max=1000.0), default=20.0,
               show_default=True, help="with --serve: requests per second")
 def demo(requests: int | None, seed: int, serve: bool, run_dir: str | None,
          rate: float) -> None:
@@ -146,18 +167,6 @@ def launch(config_path: str, run_dir: str | None, max_restarts: int | None) -> N
 # zmq, msgpack and the light modules of kvcached.
 RUN_DIR_HELP = "the engine's run directory (also KVCACHED_RUN_DIR)"
 SLEEP_AFTER_DRAIN_S = 60.0  # with --drain, the sleep itself gets this long after the drain
-
-
-class Seconds(click.FloatRange):
-    """A number of seconds: finite (``inf`` and ``nan`` are usage errors) and in range."""
-
-    name = "seconds"
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
-        return number
 
 
 class JsonFailure(click.ClickException):
