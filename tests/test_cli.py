@@ -282,3 +282,21 @@ def test_worker_command_still_checks_its_arguments(tmp_path):
 def test_demo_command_is_there():
     res = run("demo", "--help")
     assert res.exit_code == 0 and "--requests" in res.output
+
+
+def test_a_worker_does_not_check_host_memory_the_engine_already_took(tmp_path, monkeypatch):
+    """A restarted worker loads a config whose host pools exist already: they
+    take the memory the check looks for, and the worker used to be refused."""
+    import kvcached.config as config_mod
+    from kvcached.config import CacheConfig
+    from kvcached.ops.cli import _worker_config
+    from kvcached.transfer.endpoints import CONFIG_FILE
+    cfg = CacheConfig.load(num_cpu_blocks=64)
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    toml = tmp_path / "kv.toml"
+    toml.write_text("num_cpu_blocks = 64\n")
+    monkeypatch.setattr(config_mod, "available_host_memory", lambda: 0)
+    with pytest.raises(ValueError, match="host memory"):
+        CacheConfig.load(num_cpu_blocks=64)
+    assert _worker_config(str(tmp_path), None, CONFIG_FILE).num_cpu_blocks == 64
+    assert _worker_config(str(tmp_path), str(toml), CONFIG_FILE).num_cpu_blocks == 64

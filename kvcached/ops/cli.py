@@ -93,14 +93,17 @@ def worker(rank: int, run_dir: str, config_path: str | None, engine_pid: int | N
 
 
 def _worker_config(run_dir: str, config_path: str | None, config_file: str) -> CacheConfig:
+    """The worker's config. Host memory is not checked here: the engine creates
+    (and checked) the host pools, which, once they exist, take the very memory
+    a check would look for, so a restarted worker would be refused."""
     try:
         if config_path:
-            return CacheConfig.load(config_path, run_dir=run_dir)
+            return CacheConfig.load(config_path, run_dir=run_dir, check_host_memory=False)
         path = Path(run_dir) / config_file
         if not path.is_file():
             raise click.ClickException(
                 f"no {config_file} in {run_dir}: is the engine running? (or pass --config)")
-        return CacheConfig.from_dict(json.loads(path.read_text()))
+        return CacheConfig.from_dict(json.loads(path.read_text()), check_host_memory=False)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
 
