@@ -3,12 +3,21 @@
 Sources, later ones win: the TOML file (the embedded ``default.toml`` when no
 path is given), environment variables ``KVCACHED_<FIELD>``, keyword overrides.
 Everything is checked at load time; an error names the field, the value and
-what is allowed, so a bad setting never surfaces later as a crash.
+what is allowed, so a bad setting never surfaces later as a crash. A
+``KVCACHED_*`` variable that is neither a field nor one of :data:`OTHER_ENV`
+is an error naming the closest valid one (a misspelling must not be ignored).
+
+Safe defaults: storage is off, and turning it on requires ``model_id`` (the
+storage namespace of two models with the same layout must never be the same:
+the second would be served the first one's KV); the file store is capped
+(``storage_max_bytes = 0``: a tenth of the free disk space).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -26,13 +35,23 @@ DEVICES = ("cpu", "cuda")
 LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
 CUDA_COPY_MODES = ("kernel", "direct", "batch")  # kvcached.copy.cuda.MODES
 CUDA_MAX_GRID_BLOCKS, CUDA_MAX_BLOCK_THREADS = 1024, 512  # kv_copy.h
+# KVCACHED_* environment variables that are not config fields, and what they do.
+OTHER_ENV = {
+    "KVCACHED_LOG_LEVEL": "log level of kvcached's processes (DEBUG, INFO, ...)",
+    "KVCACHED_CACHE_DIR": "where native builds are cached (default ~/.cache/kvcached)",
+    "KVCACHED_NO_NATIVE": "1: use the Python paths instead of the native extensions",
+    "KVCACHED_SHM_DIR": "where shared-memory segments live (default /dev/shm)",
+    "KVCACHED_CUDA_ARCHS": "SM versions to build the CUDA kernel for (e.g. 80;90)",
+    "KVCACHED_NVCC": "the nvcc to build the CUDA kernel with",
+    "KVCACHED_MOONCAKE_NETNS": "tests only: the Mooncake tests run in a network namespace",
+}
 
 
 @dataclass(slots=True)
 class CacheConfig:
     """All settings of one kvcached deployment (see ``default.toml`` for docs)."""
 
-    model_id: str = "kvcached-demo"
+    model_id: str = ""
     weight_version: str = "0"
     salt: str = ""
     num_layers: int = 4
@@ -56,15 +75,16 @@ class CacheConfig:
     engine_timeout_s: float = 10.0
     task_timeout_s: float = 30.0
     max_worker_restarts: int = 3
+    worker_stable_s: float = 30.0
     copy_threads: int = 2
     cuda_copy_d2h: str = "batch"
     cuda_copy_h2d: str = "kernel"
     cuda_grid_blocks: int = 4
     cuda_block_threads: int = 256
     hash_memo: bool = True
-    storage_backend: str | None = "file"
+    storage_backend: str | None = None
     storage_url: str = ""
-    storage_load_policy: str = "best_effort"
+    storage_load_policy: str = "timeout"
     storage_load_timeout_s: float = 1.0
     storage_min_load_blocks: int = 1
     storage_max_bytes: int = 0
@@ -84,16 +104,19 @@ class CacheConfig:
         return cls.from_dict(values)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> CacheConfig:
-        """Build and validate from a plain dict (unknown keys are an error)."""
+    def from_dict(cls, values: dict[str, Any], check_host_memory: bool = True) -> CacheConfig:
+        """Build and validate from a plain dict (unknown keys are an error).
+        ``check_host_memory=False`` skips the host memory check (see ``replace``)."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(known))
         if unknown:
+            hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k in unknown
+                            if (m := difflib.get_close_matches(k, known, n=1)))
             raise ValueError(
-                f"unknown config key(s) {unknown}; allowed keys: {sorted(known)}")
+                f"unknown config key(s) {unknown}{hints}; allowed keys: {sorted(known)}")
         kwargs = {k: _coerce(k, v, known[k]) for k, v in values.items()}
         cfg = cls(**kwargs)
-        cfg.validate()
+        cfg.validate(check_host_memory=check_host_memory)
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,21 +124,27 @@ class CacheConfig:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> CacheConfig:
-        """A validated copy with some fields changed."""
-        return CacheConfig.from_dict({**self.to_dict(), **changes})
+        """A validated copy with some fields changed. Host memory is not checked
+        again: the pools of a running config exist already (they would count
+        against themselves), and a runtime change (weights, storage) adds none."""
+        return CacheConfig.from_dict({**self.to_dict(), **changes}, check_host_memory=False)
 
     # -------------------------------------------------------------- validate
-    def validate(self) -> None:
+    def validate(self, check_host_memory: bool = True) -> None:
         """Raise ValueError naming the first bad field, its value and the fix."""
+        _finite(self)
         _positive(self, "num_layers", "num_kv_heads", "head_dim", "tp_size",
                   "block_size", "num_gpu_blocks", "copy_threads")
         _non_negative(self, "num_cpu_blocks", "max_worker_restarts",
-                      "storage_min_load_blocks", "storage_max_bytes", "metrics_port")
+                      "storage_min_load_blocks", "metrics_port")
+        if self.storage_max_bytes < -1:
+            raise ValueError(f"storage_max_bytes must be > 0 (a cap in bytes), 0 (a tenth of "
+                             f"the free disk) or -1 (no cap), got {self.storage_max_bytes}")
         if self.metrics_port > 65535:
             raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}")
         _positive(self, "worker_start_timeout_s", "heartbeat_interval_s",
                   "worker_timeout_s", "engine_timeout_s", "task_timeout_s",
-                  "storage_load_timeout_s")
+                  "storage_load_timeout_s", "worker_stable_s")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.heartbeat_interval_s >= self.worker_timeout_s:
@@ -135,9 +164,13 @@ class CacheConfig:
         if self.storage_backend and not self.num_cpu_blocks:
             raise ValueError(f"storage_backend={self.storage_backend!r} needs a CPU tier "
                              "(host blocks stage every storage transfer): set num_cpu_blocks > 0")
-        if not self.model_id:
-            raise ValueError("model_id must be a non-empty string, got ''")
-        if self.check_host_memory:
+        if self.storage_backend and not self.model_id:
+            raise ValueError(
+                f"storage_backend={self.storage_backend!r} needs model_id: name the model "
+                "(e.g. model_id = \"meta-llama/Llama-3.1-8B\", and weight_version for "
+                "fine-tunes), so that KV stored for other weights of the same layout is "
+                "never served; or set storage_backend = \"none\"")
+        if self.check_host_memory and check_host_memory:
             _check_host_memory(self)
 
     # --------------------------------------------------------------- derived
@@ -164,14 +197,34 @@ def _read_toml(path: Path) -> dict[str, Any]:
             raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from e
 
 
+def env_name(field: str) -> str:
+    """The environment variable of config field ``field``."""
+    return ENV_PREFIX + field.upper()
+
+
 def _read_env() -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(CacheConfig)}
+    """Config fields from ``KVCACHED_<FIELD>``; any other ``KVCACHED_*`` that is not
+    in OTHER_ENV is a misspelling, reported with the closest valid name."""
+    fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
+    names = set(fields)
     out: dict[str, Any] = {}
     for key, value in os.environ.items():
-        if key.startswith(ENV_PREFIX):
-            name = key[len(ENV_PREFIX):].lower()
-            if name in names:  # other KVCACHED_* (e.g. LOG_LEVEL) are not config
-                out[name] = value
+        if not key.startswith(ENV_PREFIX) or key in OTHER_ENV:
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in names:
+            # Compared without the prefix, which every candidate shares.
+            valid = {n.upper(): env_name(n) for n in names}
+            valid.update({k[len(ENV_PREFIX):]: k for k in OTHER_ENV})
+            close = difflib.get_close_matches(key[len(ENV_PREFIX):], valid, n=1, cutoff=0.75)
+            hint = f"; did you mean {valid[close[0]]}?" if close else ""
+            raise ValueError(f"unknown environment variable {key}{hint} (kvcached reads "
+                             f"KVCACHED_<CONFIG FIELD> and {', '.join(sorted(OTHER_ENV))}; "
+                             "unset it)")
+        try:  # named here, where the variable is known
+            out[name] = _coerce(name, value, fields[name])
+        except ValueError as e:
+            raise ValueError(f"environment variable {key}={value!r}: {e}") from None
     return out
 
 
@@ -207,6 +260,14 @@ def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
     if isinstance(default, str) and not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {value!r}")
     return value
+
+
+def _finite(cfg: CacheConfig) -> None:
+    """Every float field is a finite number (inf and nan are never a setting)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
 
 
 def _positive(cfg: CacheConfig, *names: str) -> None:

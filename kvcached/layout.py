@@ -12,16 +12,20 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
-
-import torch
+from typing import Any
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+
+
+def __getattr__(name: str) -> Any:
+    """``TORCH_DTYPES`` (dtype name -> torch.dtype), built on first use: the config,
+    and with it the control client, must not import torch (PEP 562)."""
+    if name != "TORCH_DTYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+    table = {dtype: getattr(torch, dtype) for dtype in DTYPE_SIZES}
+    globals()["TORCH_DTYPES"] = table
+    return table
 HOST_ALIGN = 16  # bytes; the CUDA kernel moves 16-byte vectors
 
 

@@ -18,7 +18,7 @@ if os.environ.get("CI"):
 
 TINY = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_gpu_blocks=8,
             num_cpu_blocks=0, transfer_mode="inprocess", create_cache=True, dtype="float32",
-            storage_backend="none")
+            storage_backend="none", model_id="kvcached-test")
 
 
 def tiny_config(**overrides) -> CacheConfig:
@@ -33,11 +33,15 @@ def toks(*blocks: int, bs: int = 4, tail: int = 0) -> list[int]:
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    """A developer's KVCACHED_* settings must not change test outcomes."""
+def _clean_env(monkeypatch, tmp_path_factory):
+    """A developer's KVCACHED_* settings must not change test outcomes, and no
+    test shares storage with another test, another run or the user: the file
+    store's default directory (under XDG_CACHE_HOME) is private to each test
+    and to the worker processes it starts."""
     for key in list(os.environ):
         if key.startswith("KVCACHED_") and key not in ("KVCACHED_CACHE_DIR", "KVCACHED_LOG_LEVEL"):
             monkeypatch.delenv(key)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
 
 
 @pytest.fixture(scope="session")

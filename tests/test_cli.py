@@ -33,7 +33,10 @@ STATUS = {
     },
     "workers": [
         {"rank": 0, "pid": 4242, "state": "ready", "last_seen_s": 0.2, "restarts": 0,
-         "queues": {"out": 3, "in": 1, "ctl": 0}, "done": 17, "fast": 15, "failed": 0},
+         "queues": {"out": 3, "in": 1, "ctl": 0}, "done": 17, "fast": 15, "failed": 0,
+         "storage": {"kind": "file", "loaded": 5, "stored": 12, "used_bytes": 3 * 2**20,
+                     "max_bytes": 2**30, "errors": 1, "breaker": "",
+                     "rejected": {"checksum_mismatch": 2, "short_read": 1}}},
         {"rank": 1, "pid": 4343, "state": "lost", "last_seen_s": 9.5, "restarts": 2,
          "queues": {}, "lost_reason": "silent for 9.5s"},
     ],
@@ -154,8 +157,15 @@ def test_status_text_shows_workers_tiers_hits_transfers_storage_logs(engine):
     assert "gpu 25.0%  cpu 15.0%  storage 10.0%" in out
     assert next(line for line in lines if "swap_out" in line).split() == \
         ["swap_out", "6", "5", "1", "20", "3.0", "MiB", "1.25", "4.50"]
-    assert "storage: store_failed 2, stored 12" in out
-    assert "evictions: gpu_to_cpu 20" in out
+    # Storage: every counter explained, and each rank's health (space, rejections).
+    assert next(line for line in lines if line.strip().startswith("store_failed")).split()[:2] \
+        == ["store_failed", "2"]
+    assert "blocks whose write failed" in out
+    assert ("rank 0: 3.0 MiB used of 1.0 GiB cap, loaded 5, stored 12, rejected 3 "
+            "(checksum mismatch 2, short read 1), errors 1") in out
+    assert "evictions (blocks): gpu_to_cpu 20" in out
+    # The columns that are not self-explanatory are explained.
+    assert "fast: of those done, the ones the native fast path served" in out
 
 
 def test_status_json(engine):
@@ -272,3 +282,21 @@ def test_worker_command_still_checks_its_arguments(tmp_path):
 def test_demo_command_is_there():
     res = run("demo", "--help")
     assert res.exit_code == 0 and "--requests" in res.output
+
+
+def test_a_worker_does_not_check_host_memory_the_engine_already_took(tmp_path, monkeypatch):
+    """A restarted worker loads a config whose host pools exist already: they
+    take the memory the check looks for, and the worker used to be refused."""
+    import kvcached.config as config_mod
+    from kvcached.config import CacheConfig
+    from kvcached.ops.cli import _worker_config
+    from kvcached.transfer.endpoints import CONFIG_FILE
+    cfg = CacheConfig.load(num_cpu_blocks=64)
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    toml = tmp_path / "kv.toml"
+    toml.write_text("num_cpu_blocks = 64\n")
+    monkeypatch.setattr(config_mod, "available_host_memory", lambda: 0)
+    with pytest.raises(ValueError, match="host memory"):
+        CacheConfig.load(num_cpu_blocks=64)
+    assert _worker_config(str(tmp_path), None, CONFIG_FILE).num_cpu_blocks == 64
+    assert _worker_config(str(tmp_path), str(toml), CONFIG_FILE).num_cpu_blocks == 64

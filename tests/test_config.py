@@ -35,6 +35,7 @@ CONTRACT = {
 }
 # A third value per key, used in the TOML file so that kwargs must win over it.
 TOML_VALUES = {
+    "model_id": "toml-model",  # storage needs the model named
     "num_gpu_blocks": 77, "num_cpu_blocks": 16, "block_size": 8, "tp_size": 4,
     "transfer_mode": "workers", "storage_backend": "file", "storage_url": "/tmp/elsewhere",
     "run_dir": "/tmp/kvcached-toml-run", "create_cache": False, "engine_timeout_s": 7.0,
@@ -108,6 +109,7 @@ def test_toml_then_env_then_kwargs(toml_file, monkeypatch):
 def test_env_values_are_parsed_to_field_types(monkeypatch):
     env = {"KVCACHED_BLOCK_SIZE": "32", "KVCACHED_ENGINE_TIMEOUT_S": "2.5",
            "KVCACHED_CREATE_CACHE": "yes", "KVCACHED_STORAGE_BACKEND": "file",
+           "KVCACHED_MODEL_ID": "env-model",
            "KVCACHED_RUN_DIR": "/tmp/x", "KVCACHED_TRANSFER_MODE": "inprocess"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -120,9 +122,28 @@ def test_env_values_are_parsed_to_field_types(monkeypatch):
 
 
 def test_other_kvcached_env_vars_are_not_config(monkeypatch):
-    monkeypatch.setenv("KVCACHED_LOG_LEVEL", "DEBUG")
-    monkeypatch.setenv("KVCACHED_SOMETHING_ELSE", "1")
+    for name in config_mod.OTHER_ENV:
+        monkeypatch.setenv(name, "1")
     assert CacheConfig.load() == CacheConfig()
+
+
+@pytest.mark.parametrize("var,closest", [
+    ("KVCACHED_NUM_GPU_BLOCK", "KVCACHED_NUM_GPU_BLOCKS"),
+    ("KVCACHED_STORAGE_BACKENDS", "KVCACHED_STORAGE_BACKEND"),
+    ("KVCACHED_LOGLEVEL", "KVCACHED_LOG_LEVEL"),
+    ("KVCACHED_SOMETHING_ELSE", None),
+])
+def test_unknown_kvcached_env_var_is_an_error_naming_the_closest(monkeypatch, var, closest):
+    """A misspelled variable used to be ignored silently: the setting it meant
+    to change never took effect."""
+    monkeypatch.setenv(var, "64")
+    with pytest.raises(ValueError, match=f"unknown environment variable {var}") as e:
+        CacheConfig.load()
+    if closest:
+        assert f"did you mean {closest}?" in str(e.value)
+    else:
+        assert "did you mean" not in str(e.value)
+    assert "unset it" in str(e.value)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -198,8 +219,46 @@ def test_invalid_value_names_field_value_and_allowed(key, value, message):
 @pytest.mark.parametrize("backend", ["mooncake", "redis"])
 def test_remote_storage_needs_url(backend):
     with pytest.raises(ValueError, match=f"storage_url must be set for storage_backend='{backend}'"):
-        CacheConfig.load(storage_backend=backend)
-    assert CacheConfig.load(storage_backend=backend, storage_url="127.0.0.1:1").storage_url
+        CacheConfig.load(storage_backend=backend, model_id="m")
+    assert CacheConfig.load(storage_backend=backend, storage_url="127.0.0.1:1",
+                            model_id="m").storage_url
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake", "redis"])
+def test_storage_needs_the_model_named(backend):
+    """Two models of the same layout under the old default model_id shared
+    storage: the second was served the first one's KV."""
+    with pytest.raises(ValueError, match=f"storage_backend='{backend}' needs model_id"):
+        CacheConfig.load(storage_backend=backend, storage_url="127.0.0.1:1")
+    cfg = CacheConfig.load(storage_backend=backend, storage_url="127.0.0.1:1", model_id="m")
+    assert cfg.model_id == "m"
+
+
+def test_defaults_keep_storage_off_and_the_file_store_capped():
+    cfg = CacheConfig()
+    assert cfg.storage_backend is None and cfg.model_id == ""
+    assert cfg.storage_max_bytes == 0  # 0: a share of the free disk, not unlimited
+    assert CacheConfig.load(storage_max_bytes=-1).storage_max_bytes == -1  # explicit: no cap
+    with pytest.raises(ValueError, match="storage_max_bytes must be > 0 .* got -2"):
+        CacheConfig.load(storage_max_bytes=-2)
+
+
+@pytest.mark.parametrize("key", ["engine_timeout_s", "task_timeout_s", "worker_stable_s",
+                                 "storage_load_timeout_s", "worker_timeout_s"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_float_settings_must_be_finite(key, value):
+    with pytest.raises(ValueError, match=f"{key} must be"):
+        CacheConfig.load(**{key: value})
+
+
+def test_replace_does_not_check_host_memory_again(monkeypatch):
+    """A running config's host pools exist: a runtime change (weights, storage)
+    must not fail because those pools now take the memory they were checked for."""
+    cfg = CacheConfig.load(num_cpu_blocks=64)
+    monkeypatch.setattr(config_mod, "available_host_memory", lambda: 0)
+    with pytest.raises(ValueError, match="host memory"):
+        CacheConfig.load(num_cpu_blocks=64)
+    assert cfg.replace(weight_version="v2").weight_version == "v2"
 
 
 def test_storage_needs_a_cpu_tier():
@@ -223,7 +282,8 @@ def test_heartbeat_must_be_shorter_than_worker_timeout():
 
 
 def test_unknown_key_as_kwarg_and_in_toml(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['num_gpu_blokcs'\]; "
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['num_gpu_blokcs'\] "
+                                         r"\('num_gpu_blokcs': did you mean 'num_gpu_blocks'\?\); "
                                          r"allowed keys: \[.*'num_gpu_blocks'"):
         CacheConfig.load(num_gpu_blokcs=5)
     path = write_toml(tmp_path / "typo.toml", {"blocksize": 16})

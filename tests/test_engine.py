@@ -198,11 +198,12 @@ def test_prefill_computes_only_uncached_positions(engines, monkeypatch):
 def test_storage_tier_prefix_survives_a_restart(engines, tmp_path):
     store = tmp_path / "store"
     try:
-        CacheConfig.load(**{**LAYOUT, "storage_backend": "file", "storage_url": str(store)})
+        CacheConfig.load(**{**LAYOUT, "storage_backend": "file", "storage_url": str(store),
+                            "model_id": "tiny-transformer"})
     except ValueError as e:
         pytest.skip(f"storage_backend='file' is not accepted: {e}")
     kw = dict(num_gpu_blocks=12, num_cpu_blocks=16, storage_backend="file",
-              storage_url=str(store))
+              storage_url=str(store), model_id="tiny-transformer")
     rng = random.Random(10)
     prompt = words(rng, 4 * BS + 1)
     eng = engines(**kw)

@@ -25,6 +25,9 @@ from kvcached.transfer import fastpath
 from kvcached.transfer import protocol as P
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
+COUNT = st.integers(0, (1 << 63) - 1)  # task ids and block counts (protocol ranges)
+RANK = st.integers(0, P.MAX_RANK)
+SECONDS = st.floats(0.0, P.MAX_SECONDS)
 FAST_MAX_IDS = 64
 N_DEV, N_HOST = 12, 10
 LIMITS = P.Limits(num_device_blocks=N_DEV, num_host_blocks=N_HOST)
@@ -63,9 +66,8 @@ def make_engine(threads: int = 1):
 
 # ------------------------------------------------------------------- Done
 @settings(max_examples=400, deadline=None)
-@given(task_id=INT64, rank=st.integers(0, 1 << 40), blocks=st.integers(0, 1 << 33),
-       elapsed=st.floats(allow_nan=False), nbytes=INT64,
-       finished=st.floats(allow_nan=False))
+@given(task_id=COUNT, rank=RANK, blocks=st.integers(0, 1 << 33),
+       elapsed=SECONDS, nbytes=INT64, finished=st.floats(allow_nan=False, allow_infinity=False))
 def test_done_is_byte_identical_to_encode_done(wire, task_id, rank, blocks, elapsed, nbytes,
                                                 finished):
     ours = wire.pack_done(P.PROTOCOL_VERSION, task_id, rank, blocks, elapsed, nbytes, finished)
@@ -78,7 +80,7 @@ ids = st.lists(st.integers(0, N_DEV - 1), max_size=FAST_MAX_IDS)
 
 
 @settings(max_examples=300, deadline=None)
-@given(task_id=INT64, kind=st.sampled_from(["swap_out", "swap_in", "noop"]), data=st.data())
+@given(task_id=COUNT, kind=st.sampled_from(["swap_out", "swap_in", "noop"]), data=st.data())
 def test_every_quick_task_frame_is_taken(wire, task_id, kind, data):
     n = data.draw(st.integers(0, FAST_MAX_IDS))
     bound = {"swap_out": (N_DEV, N_HOST), "swap_in": (N_HOST, N_DEV),
@@ -94,7 +96,7 @@ def _frames():
     base = st.builds(
         lambda tid, kind, src, dst: P.encode_task(tid, kind, src, dst[:len(src)] +
                                                   [0] * (len(src) - len(dst)), {}, None),
-        INT64, st.sampled_from(["swap_out", "swap_in", "noop"]), ids, ids)
+        COUNT, st.sampled_from(["swap_out", "swap_in", "noop"]), ids, ids)
 
     def mutate(raw: bytes, data) -> bytes:
         op = data.draw(st.sampled_from(["keep", "flip", "insert", "delete", "truncate",
@@ -312,7 +314,8 @@ def test_task_frames_beyond_string_or_map_limits_are_declined(wire):
 
 # ------------------------------------------------------------ Done, read
 results = st.dictionaries(st.text(st.characters(max_codepoint=127), max_size=8),
-                          st.one_of(INT64, st.floats(allow_nan=False), st.booleans()),
+                          st.one_of(INT64, st.floats(allow_nan=False, allow_infinity=False),
+                                    st.booleans()),
                           max_size=6)
 
 
@@ -321,9 +324,9 @@ def native_done(wire, raw: bytes, limits: P.Limits = LIMITS):
 
 
 @settings(max_examples=300, deadline=None)
-@given(task_id=INT64, rank=INT64, ok=st.booleans(),
-       error=st.text(st.characters(max_codepoint=127), max_size=40), blocks=INT64,
-       elapsed=st.floats(allow_nan=False), result=results)
+@given(task_id=COUNT, rank=RANK, ok=st.booleans(),
+       error=st.text(st.characters(max_codepoint=127), max_size=40), blocks=COUNT,
+       elapsed=SECONDS, result=results)
 def test_every_ascii_done_frame_is_read_as_done_fields_reads_it(wire, task_id, rank, ok, error,
                                                                 blocks, elapsed, result):
     raw = P.Done(task_id, rank, ok, error, blocks, elapsed, result).encode(LIMITS)
@@ -336,9 +339,9 @@ def test_every_ascii_done_frame_is_read_as_done_fields_reads_it(wire, task_id, r
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_done_reader_takes_nothing_done_fields_does_not(wire, data):
-    base = st.builds(lambda *a: P.Done(*a).encode(LIMITS), INT64, INT64, st.booleans(),
-                     st.text(st.characters(max_codepoint=127), max_size=12), INT64,
-                     st.floats(allow_nan=False), results)
+    base = st.builds(lambda *a: P.Done(*a).encode(LIMITS), COUNT, RANK, st.booleans(),
+                     st.text(st.characters(max_codepoint=127), max_size=12), COUNT,
+                     SECONDS, results)
     _, mutate = _frames()
     raw = mutate(data.draw(base), data)
     want = P.done_fields(raw, LIMITS)
@@ -364,7 +367,21 @@ DONE_CRAFTED = {
     "keys reordered": (_pack_raw(_done_entries()[::-1]), True, True),
     "repeated result key": (_pack_raw(_done_entries(result=b"\x82\xa1a\x01\xa1a\x02")),
                             True, True),
-    "NaN in result": (_pack_raw(_done_entries(result=_p({"a": float("nan")}))), True, True),
+    # Numbers out of their protocol ranges: neither reader takes them.
+    "NaN in result": (_pack_raw(_done_entries(result=_p({"a": float("nan")}))), False, False),
+    "-inf in result": (_pack_raw(_done_entries(result=_p({"a": float("-inf")}))), False, False),
+    "NaN elapsed": (_pack_raw(_done_entries(elapsed_s=_p(float("nan")))), False, False),
+    "inf elapsed": (_pack_raw(_done_entries(elapsed_s=_p(float("inf")))), False, False),
+    "negative elapsed": (_pack_raw(_done_entries(elapsed_s=_p(-0.5))), False, False),
+    "elapsed past MAX_SECONDS": (_pack_raw(_done_entries(elapsed_s=_p(P.MAX_SECONDS * 2))),
+                                 False, False),
+    "elapsed of MAX_SECONDS": (_pack_raw(_done_entries(elapsed_s=_p(P.MAX_SECONDS))),
+                               True, True),
+    "negative task id": (_pack_raw(_done_entries(task_id=_p(-9))), False, False),
+    "negative rank": (_pack_raw(_done_entries(rank=_p(-1))), False, False),
+    "rank of MAX_RANK": (_pack_raw(_done_entries(rank=_p(P.MAX_RANK))), True, True),
+    "rank past MAX_RANK": (_pack_raw(_done_entries(rank=_p(P.MAX_RANK + 1))), False, False),
+    "negative blocks_done": (_pack_raw(_done_entries(blocks_done=_p(-1))), False, False),
     "non-ASCII error": (_pack_raw(_done_entries(error=_p("dé"))), False, True),
     "non-ASCII result key": (_pack_raw(_done_entries(result=_p({"é": 1}))), False, True),
     "int elapsed": (_pack_raw(_done_entries(elapsed_s=_p(1))), False, False),
@@ -388,6 +405,13 @@ def test_crafted_done_frames(wire, name):
     assert (want is not None) is python_takes
     assert repr(native_done(wire, raw)) == repr(want if native_reads else None)
     assert repr(fastpath.done_parser(LIMITS)(raw)) == repr(want)
+
+
+def test_task_frames_with_a_negative_task_id_are_declined(wire):
+    raw = P.encode_task(5, "swap_in", [1], [2], {}, LIMITS)
+    assert parse(wire, raw) == quick(raw) == (5, "swap_in", [1], [2])
+    bad = raw.replace(_p("task_id") + _p(5), _p("task_id") + _p(-5))
+    assert bad != raw and parse(wire, bad) is None and quick(bad) is None
 
 
 def test_done_frames_beyond_map_or_string_limits_are_declined(wire):

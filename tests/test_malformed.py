@@ -35,6 +35,7 @@ from kvcached.transfer import protocol as P
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint
 
 NUM_GPU, NUM_CPU = 8, 4
+NAN, INF = float("nan"), float("inf")
 # The worker must not give up on us while we think: the engine timeout is long.
 WORKER_CFG = dict(transfer_mode="workers", num_gpu_blocks=NUM_GPU, num_cpu_blocks=NUM_CPU,
                   num_layers=2, heartbeat_interval_s=0.2, worker_timeout_s=3.0,
@@ -127,6 +128,26 @@ BAD_FRAMES = [
     ("control op not a str", task(50, "control", args={"op": ["pause"]}), 50),
     ("store without keys", task(51, "store", [0]), 51),
     ("heartbeat wrong types", wire("heartbeat", sender=1, seq="x", time=0.0, info={}), None),
+    # Non-finite and extreme numbers, in every numeric field a worker receives.
+    ("negative task id", task(-1, "noop"), None),
+    ("task id beyond int64", task(2**64 - 1, "noop"), None),
+    ("NaN control timeout", task(52, "control", args={"op": "pause", "timeout_s": NAN}), 52),
+    ("inf control timeout", task(53, "control", args={"op": "pause", "timeout_s": INF}), 53),
+    ("inf load deadline", task(54, "load", [], [0], args={"keys": ["k"], "deadline_s": INF}),
+     54),
+    ("negative load deadline", task(55, "load", [], [0],
+                                    args={"keys": ["k"], "deadline_s": -1.0}), 55),
+    ("huge load deadline", task(56, "load", [], [0],
+                                args={"keys": ["k"], "deadline_s": 1e308}), 56),
+    ("NaN in args", task(57, "noop", args={"x": NAN}), 57),
+    ("-inf deep in args", task(58, "swap_out", [0], [0], args={"x": [1, {"y": -INF}]}), 58),
+    ("heartbeat NaN time", wire("heartbeat", sender="c", seq=1, time=NAN, info={}), None),
+    ("heartbeat inf time", wire("heartbeat", sender="c", seq=1, time=INF, info={}), None),
+    ("heartbeat negative seq", wire("heartbeat", sender="c", seq=-1, time=1.0, info={}), None),
+    ("heartbeat NaN in info", wire("heartbeat", sender="c", seq=1, time=1.0,
+                                   info={"q": NAN}), None),
+    ("done with NaN elapsed", wire("done", task_id=59, rank=0, ok=True, error="",
+                                   blocks_done=0, elapsed_s=NAN, result={}), 59),
 ]
 
 
@@ -347,3 +368,73 @@ def serve(mgr, rid, tokens):
     mgr.commit(rid, tokens, len(tokens))
     mgr.free(rid)
     return a
+
+
+# ----------------------------------------- bad numbers from the coordinator's own rank
+def dealer_recv(sock: zmq.Socket, timeout: float = REPLY_TIMEOUT_S):
+    """The next message that is not a heartbeat, on a worker's DEALER."""
+    return recv_reply(sock, timeout, router=False)
+
+
+def test_coordinator_refuses_bad_numbers_from_its_own_rank_and_keeps_serving(short_dir):
+    """A connected rank (not a stranger) sends Done, Heartbeat and Hello frames
+    with NaN, infinite and out-of-range numbers: each is answered with an
+    error, the task stays open, the rank stays ready, and a valid Done then
+    completes the task."""
+    import threading
+
+    from kvcached.transfer.base import Task
+    cfg = tiny_config(transfer_mode="workers", tp_size=1, num_gpu_blocks=8, num_cpu_blocks=8,
+                      spawn_workers=False, heartbeat_interval_s=0.2, worker_timeout_s=10.0,
+                      engine_timeout_s=20.0, worker_start_timeout_s=30.0,
+                      run_dir=str(short_dir / "run"))
+    # The pid the fake rank reports: a lost rank is killed by pid, never this test.
+    stand_in = subprocess.Popen(["sleep", "120"])
+    mgr = CacheManager(cfg)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, b"rank-0")
+    starter = threading.Thread(target=mgr.start)
+    try:
+        starter.start()
+        sock.connect(coordinator_endpoint(cfg, short_dir / "run"))
+        sock.send(P.Hello(rank=0, pid=stand_in.pid, protocol=P.PROTOCOL_VERSION,
+                          layout_digest=cfg.layout.digest, num_device_blocks=8,
+                          num_host_blocks=8).encode())
+        ready = dealer_recv(sock)
+        assert isinstance(ready, P.Ready) and ready.ok, ready
+        starter.join(30)
+        h = mgr.transfer.submit(Task("noop", [], []))
+        sent = dealer_recv(sock)
+        assert isinstance(sent, P.Task) and sent.task_id == h.task.task_id
+        tid = sent.task_id
+        done = dict(task_id=tid, rank=0, ok=True, error="", blocks_done=0, elapsed_s=0.1,
+                    result={})
+        hello = dict(rank=0, pid=stand_in.pid, protocol=1, layout_digest=cfg.layout.digest,
+                     num_device_blocks=8, num_host_blocks=8, restarts=0)
+        bad = [wire("done", **{**done, "elapsed_s": v}) for v in (NAN, INF, -1.0, 1e308)]
+        bad += [wire("done", **{**done, "rank": v}) for v in (-1, 70000)]
+        bad += [wire("done", **{**done, "blocks_done": -5}),
+                wire("done", **{**done, "result": {"bytes": NAN}}),
+                wire("done", **{**done, "task_id": -tid})]
+        bad += [wire("heartbeat", sender="rank-0", seq=1, time=v, info={})
+                for v in (NAN, -INF, 1e300)]
+        bad += [wire("heartbeat", sender="rank-0", seq=1, time=1.0, info={"x": [INF]})]
+        bad += [wire("hello", **{**hello, k: v})
+                for k, v in (("rank", -1), ("pid", 0), ("pid", 2**40), ("restarts", -1))]
+        for frame in bad:
+            sock.send(frame)
+            reply = dealer_recv(sock)
+            assert isinstance(reply, P.ErrorReply), (frame, reply)
+            assert not h.done() and mgr.stats().workers[0]["state"] == "ready"
+        sock.send(P.Done(tid, 0, elapsed_s=0.1).encode())
+        assert h.wait(10) and h.result.ok
+        assert mgr.stats().workers[0]["state"] == "ready"
+    finally:
+        sock.close()
+        starter.join(30)
+        mgr.close()
+        stand_in.kill()
+        stand_in.wait()
+        ctx.term()

@@ -463,26 +463,36 @@ def test_pause_holds_queued_tasks_and_resume_runs_them_exactly_once(dep):
     assert all(holds(dep, b, 10 + i) for i, b in enumerate(a1.block_ids[:2]))
     mgr.free("r1")
 
-    # Queued while paused: planned, held by the coordinator, not run.
+    # While paused, a CPU hit is a miss: nothing is planned that would wait for
+    # resume (it used to be held, and wait() blocked until resume).
     done0 = settled_done(dep)
-    held = [mgr.allocate(name, prompts[name]) for name in ("p2", "p3")]
+    for name in ("p2", "p3"):
+        a = mgr.allocate(name, prompts[name])
+        assert a.ready and a.hit.cpu_tokens == 0 and a.num_cached_tokens == 0
+        a.wait(0)  # returns at once
+        mgr.free(name)  # never computed: nothing to commit
+    # Tasks that do reach a paused coordinator are held, in order, not run.
+    from kvcached.transfer.base import Task
+    held = [mgr.transfer.submit(Task("noop", [], [])) for _ in range(2)]
     st = request(rd, "status", timeout_s=5)
     assert st["paused"] and st["transfer"]["held"] == 2
     text = cli("status", "--run-dir", rd)
     assert "kvcached: PAUSED" in text and "coordinator: 2 tasks held" in text
     assert all(str(pid) in text for pid in dep.worker_pids())
     time.sleep(0.5)  # the point is that nothing happens: give it the chance to
-    assert not any(a.ready for a in held) and worker_done(dep) == done0
+    assert not any(h.done() for h in held) and worker_done(dep) == done0
 
     cli("ctl", "resume", "--run-dir", rd)
-    for a, salt in zip(held, (20, 30)):
+    assert all(h.wait(10) and h.result.ok for h in held)
+    for name, salt in (("p2", 20), ("p3", 30)):  # resumed: CPU hits again
+        a = mgr.allocate(name, prompts[name])
         a.wait(10)
-        assert a.num_cached_tokens == 8
+        assert a.hit.cpu_tokens == 8
         assert all(holds(dep, b, salt + i) for i, b in enumerate(a.block_ids[:2]))
-    for name in ("p2", "p3"):
         mgr.free(name)
-    # Exactly once: two more tasks (+ the resume) on every rank, and no more.
-    assert settled_done(dep) == [d + 3 for d in done0]
+    # Exactly once: the two held tasks, the resume and the two swap-ins on every
+    # rank, and no more.
+    assert settled_done(dep) == [d + 5 for d in done0]
     sw = mgr.stats().transfers["swap_in"]
     assert sw["done"] - before == 3 and sw["failed"] == 0
     mgr.check_invariants()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 import time
 
@@ -17,8 +18,14 @@ from kvcached.transfer.protocol import (
     CONTROL_OPS,
     DEFAULT_LIMITS,
     INT64_MAX,
+    INT64_MIN,
     MAX_NESTING,
+    MAX_PID,
+    MAX_RANK,
+    MAX_SECONDS,
+    MAX_TIME,
     MESSAGE_KINDS,
+    MIN_TIMEOUT_S,
     PROTOCOL_VERSION,
     TASK_KINDS,
     CtlReply,
@@ -136,7 +143,8 @@ def test_defaults_are_independent():
 # --------------------------------------------------------------------------- property round trips
 
 def simple_values(depth: int) -> st.SearchStrategy:
-    scalars = (st.integers(-(1 << 63), INT64_MAX) | st.floats(allow_nan=False)
+    scalars = (st.integers(-(1 << 63), INT64_MAX) | st.floats(allow_nan=False,
+                                                             allow_infinity=False)
                | st.text(max_size=8) | st.booleans() | st.none() | st.binary(max_size=8))
     if depth == 0:
         return scalars
@@ -144,9 +152,15 @@ def simple_values(depth: int) -> st.SearchStrategy:
     return scalars | st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
 
 
-args_maps = st.dictionaries(st.text(max_size=6), simple_values(MAX_NESTING), max_size=4)
+# Keys ending in "_s" are durations (checked numbers): random maps avoid them.
+args_maps = st.dictionaries(st.text(max_size=6).filter(lambda k: not k.endswith("_s")),
+                            simple_values(MAX_NESTING), max_size=4)
 i64 = st.integers(-(1 << 63), INT64_MAX)
-floats = st.floats(allow_nan=False)
+floats = st.floats()  # NaN and infinities too: encode must refuse them as decode does
+# Numeric fields within their ranges (protocol.Message.RANGES), for valid messages.
+counts = st.integers(0, INT64_MAX)
+ranks = st.integers(0, MAX_RANK)
+seconds = st.floats(0.0, MAX_SECONDS)
 dev_ids = st.lists(st.integers(0, 9), max_size=6)
 host_ids = st.lists(st.integers(0, 19), max_size=6)
 keys = st.lists(st.text(max_size=10), max_size=6)
@@ -155,7 +169,7 @@ keys = st.lists(st.text(max_size=10), max_size=6)
 @st.composite
 def tasks(draw) -> Task:
     kind = draw(st.sampled_from(sorted(TASK_KINDS)))
-    task_id, args = draw(i64), draw(args_maps)
+    task_id, args = draw(counts), draw(args_maps)
     if kind in ("swap_out", "swap_in"):
         n = draw(st.integers(0, 6))
         dev = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
@@ -175,14 +189,14 @@ def tasks(draw) -> Task:
 
 text = st.text(max_size=30)
 messages = st.one_of(
-    st.builds(Hello, i64, i64, i64, text, i64, i64, i64),
+    st.builds(Hello, ranks, st.integers(1, MAX_PID), counts, text, counts, counts, counts),
     st.builds(Ready, st.booleans(), text),
     tasks(),
-    st.builds(Done, i64, i64, st.booleans(), text, i64, floats, args_maps),
-    st.builds(Heartbeat, text, i64, floats, args_maps),
+    st.builds(Done, counts, ranks, st.booleans(), text, counts, seconds, args_maps),
+    st.builds(Heartbeat, text, counts, st.floats(0.0, MAX_TIME), args_maps),
     st.builds(ErrorReply, text, text),
     st.builds(Shutdown, text),
-    st.builds(CtlRequest, text, args_maps, floats),
+    st.builds(CtlRequest, text, args_maps, st.floats(MIN_TIMEOUT_S, MAX_SECONDS)),
     st.builds(CtlReply, st.booleans(), args_maps, text),
 )
 
@@ -324,6 +338,101 @@ def tampered_frames(draw) -> bytes:
 @given(tampered_frames())
 def test_tampered_maps_rejected(raw):
     rejects(raw, BOUNDED)
+
+
+# --------------------------------------------------------------------------- numbers
+# Every numeric field of every kind, given non-finite and extreme values: a
+# value is accepted exactly when it lies in the field's declared range, by
+# encode and decode alike, and NaN / infinities never pass anywhere (a NaN
+# timeout once killed the control thread at its use site).
+
+NAN, INF = float("nan"), float("inf")
+EXTREME_FLOATS = [NAN, INF, -INF, 1e308, -1e308, -0.0, 5e-324, -1.0, MAX_SECONDS,
+                  MAX_SECONDS * 1.000001, MAX_TIME, MAX_TIME * 2, MIN_TIMEOUT_S / 2]
+EXTREME_INTS = [-1, 0, 1, MAX_RANK, MAX_RANK + 1, MAX_PID, MAX_PID + 1, INT64_MAX, INT64_MIN]
+
+
+def numeric_fields():
+    """(sample, attribute, wire key, field type) for every int and float field."""
+    for msg in SAMPLES:
+        for attr, key, _, check in type(msg)._SPEC:
+            if check in (protocol._check_int, protocol._check_float):
+                yield msg, attr, key, "int" if check is protocol._check_int else "float"
+
+
+def test_every_kind_with_a_numeric_field_declares_its_range():
+    declared = {(type(m).KIND, attr) for m, attr, _, _ in numeric_fields()}
+    ranged = {(type(m).KIND, attr) for m in SAMPLES for attr in type(m).RANGES}
+    assert declared and declared == ranged, declared ^ ranged
+
+
+@pytest.mark.parametrize("msg,attr,key,kind", list(numeric_fields()),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_numeric_fields_accept_exactly_their_range(msg, attr, key, kind):
+    lo, hi = type(msg).RANGES[attr]
+    values = EXTREME_FLOATS + EXTREME_INTS if kind == "float" else EXTREME_INTS
+    for value in values:
+        want = math.isfinite(value) and lo <= value <= hi
+        frame = pack({**wire(msg), key: value})
+        try:
+            got = getattr(decode(frame, BOUNDED), attr)
+        except ProtocolError as e:
+            assert not want, f"{msg.KIND}.{key}={value!r} refused: {e}"
+            assert key in str(e), e  # the error names the field
+        else:
+            assert want, f"{msg.KIND}.{key}={value!r} accepted"
+            assert got == value
+        bad = dataclasses.replace(msg, **{attr: value})
+        if want:
+            assert_same(roundtrip(bad, BOUNDED), bad)
+        else:
+            with pytest.raises(ProtocolError):
+                encode(bad, BOUNDED)
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("msg", [m for m in SAMPLES if any(
+    f.type == "dict[str, Any]" for f in dataclasses.fields(m))],
+    ids=lambda m: f"{m.KIND}-{getattr(m, 'kind', '')}")
+def test_non_finite_floats_refused_inside_maps(msg, value):
+    f = next(f for f in dataclasses.fields(msg) if f.type == "dict[str, Any]")
+    key = next(k for a, k, _, _ in type(msg)._SPEC if a == f.name)
+    for where in ({"x": value}, {"x": [1, value]}, {"x": {"y": {"z": value}}}):
+        rejects(pack({**wire(msg), key: {**getattr(msg, f.name), **where}}), BOUNDED,
+                match="not a finite number")
+        with pytest.raises(ProtocolError, match="not a finite number"):
+            encode(dataclasses.replace(msg, **{f.name: {**getattr(msg, f.name), **where}}))
+
+
+@pytest.mark.parametrize("kind,name,args", [
+    ("control", "timeout_s", {"op": "pause"}),
+    ("load", "deadline_s", {"keys": ["k"]}),
+    ("ctl", "drain_timeout_s", {"drain": True}),
+])
+def test_durations_in_args_are_bounded(kind, name, args):
+    def build(value):
+        if kind == "ctl":
+            return CtlRequest("sleep", {**args, name: value}, 5.0)
+        return Task(1, kind, [], [0] if kind == "load" else [], {**args, name: value})
+
+    for value in (NAN, INF, -INF, -1.0, MAX_SECONDS * 2, True, "1", None):
+        frame = wire(build(0.0))
+        frame["args"] = {**args, name: value}
+        err = rejects(pack(frame), BOUNDED)
+        assert name in str(err)
+        with pytest.raises(ProtocolError):
+            encode(build(value))
+    for value in (0, 0.5, MAX_SECONDS):
+        assert decode(build(value).encode(BOUNDED), BOUNDED).args[name] == value
+
+
+def test_a_bad_task_id_is_not_echoed_back():
+    """A worker answers a broken task with a failed Done for its id, so an id a
+    Done could not carry (negative, beyond int64) must not be offered."""
+    for task_id, want in ((5, 5), (-1, None), (INT64_MAX + 1, None)):
+        err = rejects(pack({**wire(Task(1, "control", args={"op": "pause"})),
+                            "task_id": task_id, "args": {"op": "bogus"}}))
+        assert err.task_id == want
 
 
 # --------------------------------------------------------------------------- hot paths
@@ -569,6 +678,7 @@ def test_frame_over_limit_rejected_without_unpacking(monkeypatch):
 def full_checks(cls: type[Message], fields: dict) -> Message:
     """Build ``cls`` from wire ``fields`` through the per-field checks only (no quick path)."""
     msg = cls(*[check(fields[key], where, BOUNDED) for _, key, where, check in cls._SPEC])
+    protocol._check_ranges(msg)
     if cls is Task:
         protocol._check_task(msg, BOUNDED)
     return msg
@@ -576,12 +686,12 @@ def full_checks(cls: type[Message], fields: dict) -> Message:
 
 quick_ids = st.lists(st.integers(-2, 25), max_size=3) | st.lists(
     st.integers(-2, 25) | st.booleans() | st.floats(0, 3) | st.none(), max_size=3)
-quick_values = (st.integers(-(1 << 64), 1 << 64) | st.booleans() | st.floats(allow_nan=False)
+quick_values = (st.integers(-(1 << 64), 1 << 64) | st.booleans() | st.floats()
                 | st.text(max_size=2) | st.none() | st.lists(st.integers(), max_size=1))
 # Mostly the right type, sometimes anything: the quick checks see both often.
 quick_ints, quick_bools, quick_floats, quick_texts = (
     st.one_of(right, right, quick_values) for right in (
-        st.integers(-(1 << 64), 1 << 64), st.booleans(), st.floats(allow_nan=False),
+        st.integers(-(1 << 64), 1 << 64), st.booleans(), st.floats(),
         st.text(max_size=2)))
 
 

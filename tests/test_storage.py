@@ -286,7 +286,7 @@ def test_blockstore_argument_checks(tmp_path):
 def test_blockstore_from_config(tmp_path):
     cfg = CacheConfig.load(storage_backend="file", storage_url=str(tmp_path / "s"),
                            storage_max_bytes=1 << 30, tp_size=2, num_cpu_blocks=8,
-                           num_gpu_blocks=8)
+                           num_gpu_blocks=8, model_id="kvcached-demo")
     bs = BlockStore.from_config(cfg, rank=1)
     assert bs.namespace == "kvcached-demo@0" and bs.rank == 1 and bs.tp_size == 2
     assert bs.backend.max_bytes == (1 << 30) // 2
@@ -364,3 +364,38 @@ def test_blockstore_concurrent_store_and_load(tmp_path):
     with ThreadPoolExecutor(4) as ex:
         list(ex.map(roundtrip, range(8)))
     assert bs.stats()["blocks_loaded"] == 32
+
+
+def test_file_store_is_capped_by_default(tmp_path, monkeypatch):
+    """storage_max_bytes = 0 (the default) caps the store at a tenth of the free
+    disk (each rank its share); it used to mean unlimited."""
+    import collections
+
+    from kvcached.storage import file as file_mod
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(file_mod.shutil, "disk_usage", lambda path: usage(0, 0, 10_000_000))
+    base = dict(storage_backend="file", tp_size=2, num_cpu_blocks=8, num_gpu_blocks=8,
+                model_id="m")
+    cfg = CacheConfig.load(**base, storage_url=str(tmp_path / "auto"))
+    assert cfg.storage_max_bytes == 0
+    assert BlockStore.from_config(cfg, rank=0).backend.max_bytes == 500_000  # 10% / 2 ranks
+    explicit = cfg.replace(storage_max_bytes=4000, storage_url=str(tmp_path / "x"))
+    assert BlockStore.from_config(explicit, rank=1).backend.max_bytes == 2000
+    unlimited = cfg.replace(storage_max_bytes=-1, storage_url=str(tmp_path / "u"))
+    assert BlockStore.from_config(unlimited, rank=1).backend.max_bytes == 0
+
+
+def test_default_cap_counts_what_the_store_holds_and_evicts_at_open(tmp_path, monkeypatch):
+    import collections
+
+    from kvcached.storage import file as file_mod
+    be = _file(tmp_path)
+    be.put_from([f"ns/{i:02x}/0of1" for i in range(10)], [bytearray(1000)] * 10)
+    assert be.stats()["bytes_used"] == 10_000
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(file_mod.shutil, "disk_usage", lambda path: usage(0, 0, 40_000))
+    again = file_mod.FileBackend(tmp_path / "store", disk_fraction=0.1)
+    assert again.max_bytes == 5_000  # 10% of (40_000 free + 10_000 held)
+    assert again.stats()["bytes_used"] <= 5_000 and again.stats()["evictions"] == 5
+    with pytest.raises(ValueError, match="disk_fraction must be in"):
+        file_mod.FileBackend(tmp_path / "other", disk_fraction=1.5)

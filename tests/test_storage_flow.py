@@ -79,9 +79,10 @@ def test_restart_through_worker_processes_tp2(tmp_path):
 
 
 def test_corrupt_object_cuts_the_load_to_the_prefix_before_it(tmp_path):
-    compute_and_store(storage_cfg(tmp_path, "a"))
+    cfg = storage_cfg(tmp_path, "a")
+    compute_and_store(cfg)
     from kvcached.core.hashing import block_hashes, namespace_hash
-    h = block_hashes(namespace_hash("kvcached-demo", "0"), PROMPT, BS)[20]
+    h = block_hashes(namespace_hash(cfg.model_id, cfg.weight_version), PROMPT, BS)[20]
     files = [f for f in (tmp_path / "store").rglob("*") if f.is_file() and h.hex() in str(f)]
     assert len(files) == 1
     raw = bytearray(files[0].read_bytes())

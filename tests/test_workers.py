@@ -99,13 +99,12 @@ def test_sigkill_worker_mid_task_fails_fast_and_serving_continues(workers_manage
     mgr.free("r1")
     mgr.allocate("r2", toks(5, 6, 7, 8, 9, 10, tail=1))  # "3", "2" go to CPU
     mgr.free("r2")
-    # Paused: the swap-in is planned and held, so it is surely in flight.
-    mgr.pause()
+    # Rank 1 is stopped: the swap-in is surely in flight (rank 0 answers, it cannot).
+    victim = mgr.stats().workers[1]["pid"]
+    os.kill(victim, signal.SIGSTOP)
     a = mgr.allocate("r3", prompt + [0])
     assert not a.ready and a.hit.cpu_tokens == 8
-    victim = mgr.stats().workers[1]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    mgr.resume()  # rank 0 gets the task; rank 1 is lost
+    os.kill(victim, signal.SIGKILL)  # the coordinator sees it exit: rank 1 is lost
     t0 = time.monotonic()
     with pytest.raises(WorkerLost):
         a.wait(timeout=10)

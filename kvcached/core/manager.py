@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
@@ -70,6 +71,8 @@ class CacheManager:
         self._started = False
         self._closed = False
         self._asleep = False
+        self._draining = False  # sleep(drain=True) waits: allocate raises CacheAsleep
+        self._drained = threading.Condition(self._lock)  # notified when the last request frees
         self._host_released = False
 
     # ------------------------------------------------------------ lifecycle
@@ -192,6 +195,9 @@ class CacheManager:
         """
         with self._lock:
             self._check_serving()
+            if self._draining:
+                raise CacheAsleep("kvcached is draining to sleep: running requests finish, "
+                                  "new ones wait for wakeup()")
             self.planner.reap()
             if request_id in self._reqs:
                 raise ValueError(f"request {request_id!r} is already allocated; free() it first")
@@ -201,7 +207,8 @@ class CacheManager:
                                  f"got {n} tokens, reserve_tokens={reserve_tokens}")
             bs, core = self.block_size, self.core
             creq = core.request(self._ns, token_input(token_ids), extra_bytes(extra_key))
-            n_gpu, n_matched, blocks = core.match(creq, (n - 1) // bs)
+            # While paused a CPU hit is a miss: its swap-in would wait for resume.
+            n_gpu, n_matched, blocks = core.match(creq, (n - 1) // bs, not self.planner.paused)
             need = -(-(n + reserve_tokens) // bs) - n_gpu
             avail = core.gpu_free + core.gpu_idle
             if need > avail:
@@ -311,6 +318,8 @@ class CacheManager:
             if private:
                 self.core.free(GPU, private[::-1])  # tail first, as vLLM does
             self._publish_events()
+            if self._draining and not self._reqs:
+                self._drained.notify_all()
 
     # ------------------------------------------------------------ transfers
     def _wait_allocation(self, alloc: Allocation, timeout: float | None) -> None:
@@ -349,10 +358,12 @@ class CacheManager:
         """Hold transfers (in-flight ones finish); GPU hits keep being served.
 
         From the moment it is called nothing new that would wait on a transfer
-        is planned (no swap-outs, no storage reads); the ranks then drain
-        without the manager lock held, so the engine's calls and `kvcached
-        status` are answered meanwhile. A pause that times out stays in force
-        (the coordinator holds tasks): resume() undoes it.
+        is planned: no swap-outs, no storage reads or writes, and a prefix in
+        the CPU tier is served as a miss (recomputed), so no request waits for
+        resume. The ranks then drain without the manager lock held, so the
+        engine's calls and `kvcached status` are answered meanwhile. A pause
+        that times out stays in force (the coordinator holds tasks): resume()
+        undoes it.
         """
         with self._lock:
             changed = not self.planner.paused
@@ -370,14 +381,43 @@ class CacheManager:
             self.planner.paused = False
             return {**res, "changed": changed, "paused": False}
 
-    def sleep(self, release_host_pool: bool = False) -> dict:
+    def sleep(self, release_host_pool: bool = False, drain: bool = False,
+              drain_timeout_s: float = 60.0) -> dict:
         """Pause and detach from the engine's KV planes (the engine may free them).
 
         The GPU tier's contents are forgotten (blocks with a CPU copy stay in
         the CPU tier); with ``release_host_pool`` the CPU tier is emptied and
         its shared memory released too. ``allocate`` raises CacheAsleep until
-        ``wakeup``. Running requests must be freed first.
+        ``wakeup``. Running requests must be freed first; with ``drain``,
+        ``allocate`` raises CacheAsleep at once while the running requests
+        finish (up to ``drain_timeout_s``: then TimeoutError, nothing changed).
         """
+        if not drain:
+            return self._sleep(release_host_pool)
+        with self._lock:
+            if self._asleep:
+                return {"changed": False, "asleep": True}
+            self._draining = True
+        try:
+            self._wait_drained(drain_timeout_s)
+            return self._sleep(release_host_pool)
+        finally:
+            with self._lock:
+                self._draining = False
+
+    def _wait_drained(self, timeout_s: float) -> None:
+        """Wait until no request runs (the wait releases the lock: the engine frees)."""
+        deadline = time.monotonic() + timeout_s
+        with self._drained:
+            while self._reqs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"sleep --drain: {len(self._reqs)} requests still running after "
+                        f"{timeout_s:.1f}s; nothing changed, new requests are served again")
+                self._drained.wait(left)
+
+    def _sleep(self, release_host_pool: bool) -> dict:
         with self._lock:
             if self._asleep:
                 return {"changed": False, "asleep": True}
@@ -411,6 +451,20 @@ class CacheManager:
             res = self._control("wakeup")
             self.planner.paused = self._asleep = False
             return {"changed": True, "asleep": False, "ranks": res.get("ranks", {})}
+
+    def restart_workers(self) -> dict:
+        """Restart transfer workers that gave up (their crash count starts over)
+        and, once every rank is ready, turn the CPU tier back on (it comes back
+        empty: switching it off dropped its blocks); storage follows it."""
+        res = self._transfer.restart_workers(self.cfg.worker_start_timeout_s)  # no lock held
+        with self._lock:
+            back = (not self.cpu_enabled and self.cfg.num_cpu_blocks > 0 and not self._closed
+                    and self._transfer.healthy)
+            if back:
+                self.planner.cpu_enabled = True
+                logger.warning("transfer workers are back: CPU tier on again")
+            return {**res, "changed": bool(res.get("changed") or back),
+                    "cpu_tier": self.cpu_enabled}
 
     def update_weights(self, version: str) -> dict:
         """Switch to the namespace of weight ``version``: nothing computed with
@@ -462,6 +516,7 @@ class CacheManager:
         transfer = self._transfer.stats() if self._transfer else {}
         return {"run_dir": str(self.run_dir), "log_dir": str(self.log_dir),
                 "paused": self.planner.paused, "asleep": self._asleep,
+                "draining": self._draining,
                 "cpu_tier": self.cpu_enabled, "weight_version": self.cfg.weight_version,
                 "transfer_mode": self.cfg.transfer_mode, "tp_size": self.cfg.tp_size,
                 "stats": st.to_dict(), "workers": st.workers,

@@ -3,6 +3,7 @@ storage reads skipped (the core counts evictions and dedups itself)."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 from typing import Any
 
@@ -10,6 +11,9 @@ from kvcached.transfer.base import Task, TaskResult
 from kvcached.types import CacheStats, HitInfo, TierUsage
 
 TIERS = ("gpu", "cpu", "storage")
+# Upper bounds (seconds) of the task latency histogram (/metrics task_latency_seconds).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -31,6 +35,8 @@ class Counters:
         self.storage: collections.Counter[str] = collections.Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
         self._latency: dict[str, collections.deque[float]] = {}
+        # per kind: tasks done per LATENCY_BUCKETS bucket (+ one past the last bound)
+        self._buckets: dict[str, list[int]] = {}
 
     def count_request(self, prompt_tokens: int, hit: HitInfo) -> None:
         self.requests += 1
@@ -53,6 +59,7 @@ class Counters:
             d = self.tasks[kind] = {"submitted": 0, "done": 0, "failed": 0, "blocks": 0,
                                     "seconds": 0.0}
             self._latency[kind] = collections.deque(maxlen=2048)
+            self._buckets[kind] = [0] * (len(LATENCY_BUCKETS) + 1)
         return d
 
     def task_submitted(self, task: Task) -> None:
@@ -65,6 +72,7 @@ class Counters:
             d["blocks"] += len(task.src) or len(task.dst)
             d["seconds"] += res.elapsed_s  # task time summed: bytes / seconds = bandwidth
             self._latency[task.kind].append(res.elapsed_s)
+            self._buckets[task.kind][bisect.bisect_left(LATENCY_BUCKETS, res.elapsed_s)] += 1
         else:
             d["failed"] += 1
 
@@ -77,7 +85,8 @@ class Counters:
             lat = list(self._latency[kind])
             transfers[kind] = {**d, "bytes": d["blocks"] * block_bytes,
                                "p50_ms": percentile(lat, 0.5) * 1e3,
-                               "p99_ms": percentile(lat, 0.99) * 1e3}
+                               "p99_ms": percentile(lat, 0.99) * 1e3,
+                               "histogram": self._histogram(kind)}
         gpu_used = core.gpu_blocks - core.gpu_free
         cpu_used = core.cpu_blocks - core.cpu_free
         counted = core.counters()
@@ -90,3 +99,12 @@ class Counters:
             evictions=counted["evictions"], dedup_blocks=counted["dedup_blocks"],
             no_free_blocks=self.no_free_blocks, transfers=transfers, workers=workers,
             storage=dict(self.storage), cached_nodes=core.num_nodes)
+
+    def _histogram(self, kind: str) -> dict[str, Any]:
+        """Every done task's latency, Prometheus style: cumulative counts per upper
+        bound (``+Inf`` last), their sum and count."""
+        counts, total, out = self._buckets[kind], 0, []
+        for bound, n in zip((*LATENCY_BUCKETS, "+Inf"), counts):
+            total += n
+            out.append([bound, total])
+        return {"buckets": out, "sum": self.tasks[kind]["seconds"], "count": total}

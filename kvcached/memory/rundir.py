@@ -1,24 +1,64 @@
 """Run directories: where a run's sockets, descriptors, config and logs live.
 
 A run directory kvcached creates itself (no ``run_dir`` configured) carries
-an ``engine.pid`` file; the next start removes such directories whose engine
-died without closing, so a crashed engine leaves nothing behind for long.
+an ``engine.pid`` file; the next start (or ``kvcached cleanup``) removes such
+directories whose engine died without closing, so a crashed engine leaves
+nothing behind for long. Every run directory of a running engine also holds
+``engine.json`` (``{"pid": ...}``), which the control client reads to tell a
+dead engine from a busy one.
+
+This module imports nothing heavy: the control client uses it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from kvcached.memory.shm import pid_alive
-
 logger = logging.getLogger(__name__)
 
 PREFIX = "kvcached-"
-PID_FILE = "engine.pid"
+PID_FILE = "engine.pid"  # in run directories kvcached created (temporary ones)
+ENGINE_FILE = "engine.json"  # {"pid": engine pid}: in every run directory in use
+
+
+def pid_alive(pid: int) -> bool:
+    """True if process ``pid`` exists (also when it belongs to another user)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def engine_pid(run_dir: str | os.PathLike) -> int | None:
+    """The pid of the engine that uses ``run_dir`` (None if no file names one)."""
+    path = Path(run_dir)
+    try:
+        return int(json.loads((path / ENGINE_FILE).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return int((path / PID_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_engine_file(run_dir: str | os.PathLike) -> None:
+    """Record this process as the engine of ``run_dir`` (atomically: a reader never
+    sees half a file)."""
+    path = Path(run_dir) / ENGINE_FILE
+    tmp = path.with_name(f".{ENGINE_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"pid": os.getpid()}))
+    os.replace(tmp, path)
 
 
 def create_run_dir(configured: str) -> tuple[Path, bool]:
@@ -35,16 +75,26 @@ def create_run_dir(configured: str) -> tuple[Path, bool]:
     return path, own
 
 
-def cleanup_stale_run_dirs(parent: str | None = None) -> list[Path]:
-    """Remove temp run directories whose engine pid is dead."""
-    removed = []
-    for d in Path(parent or tempfile.gettempdir()).glob(PREFIX + "*"):
+def stale_run_dirs(parent: str | None = None) -> list[tuple[Path, int]]:
+    """Temp run directories (ours: they hold ``engine.pid``) whose engine pid is gone."""
+    out = []
+    for d in sorted(Path(parent or tempfile.gettempdir()).glob(PREFIX + "*")):
         try:
             pid = int((d / PID_FILE).read_text())
         except (OSError, ValueError):
             continue
         if pid != os.getpid() and not pid_alive(pid):
+            out.append((d, pid))
+    return out
+
+
+def cleanup_stale_run_dirs(parent: str | None = None, dry_run: bool = False) -> list[Path]:
+    """Remove temp run directories whose engine pid is dead; returns them
+    (``dry_run``: only lists them)."""
+    removed = []
+    for d, pid in stale_run_dirs(parent):
+        if not dry_run:
             shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
             logger.info("removed stale run dir %s (engine pid %d is gone)", d, pid)
+        removed.append(d)
     return removed

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvcached.layout import TORCH_DTYPES
+from kvcached.memory.rundir import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -236,32 +237,26 @@ def remove_segment(name: str) -> bool:
     return True
 
 
-def pid_alive(pid: int) -> bool:
-    """True if process ``pid`` exists (also when it belongs to another user)."""
-    if pid <= 0:
-        return False
+def stale_segments() -> list[str]:
+    """Names of ``kvcached-<pid>-*`` segments whose owner pid is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        entries = sorted(os.listdir(shm_dir()))
+    except FileNotFoundError:
+        return []
+    return [name for name in entries
+            if (m := _NAME_RE.match(name)) is not None and not pid_alive(int(m.group(1)))]
 
 
-def cleanup_stale_segments() -> list[str]:
-    """Remove ``kvcached-<pid>-*`` segments whose owner pid is gone; return their names.
+def cleanup_stale_segments(dry_run: bool = False) -> list[str]:
+    """Remove ``kvcached-<pid>-*`` segments whose owner pid is gone; return their names
+    (``dry_run``: only list them).
 
     Segments of live pids are never touched, whoever owns them.
     """
     removed: list[str] = []
-    try:
-        entries = sorted(os.listdir(shm_dir()))
-    except FileNotFoundError:
-        return removed
-    for name in entries:
-        m = _NAME_RE.match(name)
-        if m is None or pid_alive(int(m.group(1))):
+    for name in stale_segments():
+        if dry_run:
+            removed.append(name)
             continue
         try:
             (shm_dir() / name).unlink()
@@ -271,7 +266,7 @@ def cleanup_stale_segments() -> list[str]:
             logger.warning("could not remove stale shm segment %s: %s", name, e)
             continue
         removed.append(name)
-    if removed:
+    if removed and not dry_run:
         logger.info("removed %d stale shm segment(s) of dead runs: %s",
                     len(removed), ", ".join(removed))
     return removed

@@ -4,20 +4,27 @@ Server (engine side): :class:`ControlServer` runs one thread that owns a
 ROUTER socket at ``control_endpoint(run_dir)`` (``ipc://<run_dir>/ctl.sock``;
 the run directory is mode 0700, so only its user can connect). A request is
 one :class:`~kvcached.transfer.protocol.CtlRequest` frame; the answer is one
-``CtlReply`` frame. Requests that decode badly get an ``ErrorReply`` and the
-server keeps serving.
+``CtlReply`` frame. Requests that decode badly (the protocol checks every
+field, numbers included: a NaN timeout is refused there) get an
+``ErrorReply``; any other error while handling one request is logged and
+answered, and the server keeps serving: a dead control thread would leave
+an engine that can never be woken.
 
 The manager's control calls block (``pause`` waits for in-flight transfers,
 and those wait on the coordinator's IO thread), so they run on a small pool
 of op threads, never on this socket's thread and never on the coordinator's.
+``status`` and ``ping`` have a thread of their own: they are answered while
+a pause drains or a sleep waits for running requests.
 Op threads hand their replies back through a queue and a wake-up pipe; the
 socket thread alone sends. Every request has a deadline (its ``timeout_s``):
 when it passes, the client gets an error naming the op, and a late result is
 dropped.
 
 Client side: :func:`request` sends one request and waits, with a deadline,
-for its reply; errors say what to check (no run directory, no socket: is the
-engine running?).
+for its reply. Before it sends, it reads the engine's pid from the run
+directory (``engine.json``): a dead engine is reported at once, not after a
+timeout. Errors say what to check. The client imports neither torch nor
+numpy (``kvcached status`` starts in a fraction of a second).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -37,6 +45,7 @@ from typing import Any
 
 import zmq
 
+from kvcached.memory.rundir import ENGINE_FILE, engine_pid, pid_alive, write_engine_file
 from kvcached.transfer import protocol as P
 from kvcached.transfer.endpoints import control_endpoint
 
@@ -46,6 +55,7 @@ SOCKET_NAME = "ctl.sock"
 MAX_PENDING = 16  # requests in progress at once; more get a "busy" error
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.05, 3600.0
 CLIENT_GRACE_S = 2.0  # the client waits this much longer than the server's deadline
+ERROR_BACKOFF_S = 0.05  # after an unexpected error in the socket loop: never spin
 
 
 class ControlUnavailable(RuntimeError):
@@ -60,15 +70,26 @@ def _op_table() -> dict[str, Callable[[Any, dict[str, Any]], Any]]:
     return {
         "pause": lambda m, a: m.pause(),
         "resume": lambda m, a: m.resume(),
-        "sleep": lambda m, a: m.sleep(release_host_pool=bool(a.get("release_host_pool"))),
+        "sleep": lambda m, a: m.sleep(**_sleep_kwargs(a)),
         "wakeup": lambda m, a: m.wakeup(),
         "update_weights": lambda m, a: m.update_weights(_version(a)),
+        "restart_workers": lambda m, a: m.restart_workers(),
         "status": lambda m, a: m.status(),
         "ping": lambda m, a: {"pid": os.getpid()},
     }
 
 
 OPS = _op_table()
+READ_ONLY_OPS = frozenset({"status", "ping"})  # never queued behind a blocking op
+
+
+def _sleep_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """``sleep``'s arguments; a drain's timeout is a checked duration (the protocol
+    checks every ``*_s`` arg), 60 s when not given."""
+    kwargs: dict[str, Any] = {"release_host_pool": bool(args.get("release_host_pool"))}
+    if args.get("drain"):
+        kwargs.update(drain=True, drain_timeout_s=float(args.get("drain_timeout_s", 60.0)))
+    return kwargs
 
 
 def _version(args: dict[str, Any]) -> str:
@@ -94,6 +115,7 @@ class ControlServer:
         self._bind_error: Exception | None = None
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._read_pool: ThreadPoolExecutor | None = None
         self._wake_r = self._wake_w = -1
 
     @property
@@ -109,12 +131,15 @@ class ControlServer:
                              "socket (~100 characters); choose a shorter run_dir")
         self._wake_r, self._wake_w = os.pipe()
         self._pool = ThreadPoolExecutor(self._op_threads, thread_name_prefix="kvcached-ctl-op")
+        self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="kvcached-ctl-status")
         self._thread = threading.Thread(target=self._run, name="kvcached-ctl", daemon=True)
         self._thread.start()
         if not self._bound.wait(timeout_s) or self._bind_error is not None:
             self.close()
             raise RuntimeError(f"cannot serve the control socket {self.endpoint}: "
                                f"{self._bind_error or 'bind timed out'}")
+        if path is not None:  # lets a client tell a dead engine from a busy one
+            write_engine_file(path.parent)
         logger.info("control socket at %s", self.endpoint)
         return self
 
@@ -126,8 +151,9 @@ class ControlServer:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._read_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
@@ -174,14 +200,27 @@ class ControlServer:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll(timeout=self._poll_ms()))
-            if self._wake_r in events:
-                os.read(self._wake_r, 4096)
-            self._send_replies(sock)
-            if sock in events:
-                while sock.poll(0):
-                    self._on_frames(sock, sock.recv_multipart())
-            self._expire(sock, time.monotonic())
+            try:
+                self._step(sock, poller)
+            except Exception:  # log and serve on: see the module docstring
+                logger.exception("control socket: unexpected error; still serving")
+                self._stop.wait(ERROR_BACKOFF_S)
+
+    def _step(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
+        events = dict(poller.poll(timeout=self._poll_ms()))
+        if self._wake_r in events:
+            os.read(self._wake_r, 4096)
+        self._send_replies(sock)
+        if sock in events:
+            while sock.poll(0):
+                frames = sock.recv_multipart()
+                try:
+                    self._on_frames(sock, frames)
+                except Exception as e:  # this request fails; the next one is served
+                    logger.exception("control socket: handling a request failed")
+                    _send(sock, _split_envelope(frames)[0], P.ErrorReply(
+                        "internal error", P.clip(f"{type(e).__name__}: {e}")).encode())
+        self._expire(sock, time.monotonic())
 
     def _poll_ms(self) -> int:
         """Sleep until the nearest request deadline (at most 200 ms)."""
@@ -222,7 +261,8 @@ class ControlServer:
         job = next(self._ids)
         timeout = min(max(req.timeout_s, MIN_TIMEOUT_S), MAX_TIMEOUT_S)
         self._pending[job] = (envelope, time.monotonic() + timeout, req.op)
-        self._pool.submit(self._run_op, job, fn, req)
+        pool = self._read_pool if req.op in READ_ONLY_OPS else self._pool
+        pool.submit(self._run_op, job, fn, req)
 
     def _send_replies(self, sock: zmq.Socket) -> None:
         while True:
@@ -296,7 +336,9 @@ def wire_safe(value: Any, depth: int = -1) -> Any:
         value = dataclasses.asdict(value)
     elif hasattr(value, "to_dict") and callable(value.to_dict):
         value = value.to_dict()
-    if isinstance(value, bool) or value is None or isinstance(value, (float, bytes)):
+    if isinstance(value, float):  # the protocol refuses NaN and infinities
+        return value if math.isfinite(value) else None
+    if isinstance(value, bool) or value is None or isinstance(value, bytes):
         return value
     if isinstance(value, int):
         return value if P.INT64_MIN <= value <= P.INT64_MAX else str(value)
@@ -327,11 +369,12 @@ def request(run_dir: str | os.PathLike, op: str, args: dict[str, Any] | None = N
     time) or ControlError (the engine's error, e.g. the ranks that did not answer).
     """
     path = _check_socket(run_dir)
+    frame = P.CtlRequest(op, args or {}, float(timeout_s)).encode()  # checks timeout_s
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(control_endpoint(run_dir))
-        sock.send_multipart([b"", P.CtlRequest(op, args or {}, float(timeout_s)).encode()])
+        sock.send_multipart([b"", frame])
         wait_s = timeout_s + min(CLIENT_GRACE_S, 0.5 + timeout_s)
         if not sock.poll(int(wait_s * 1000)):
             raise TimeoutError(f"no answer from the engine's control socket {path} within "
@@ -347,6 +390,11 @@ def _check_socket(run_dir: str | os.PathLike) -> Path:
         raise ControlUnavailable(
             f"run directory {run_dir} does not exist: is the engine running, and is this "
             "its run_dir? (set --run-dir or KVCACHED_RUN_DIR)")
+    pid = engine_pid(run_dir)
+    if pid is not None and not pid_alive(pid):  # fail now, not after a timeout
+        raise ControlUnavailable(
+            f"engine pid {pid} is not running (run dir {run_dir}, from its {ENGINE_FILE}); "
+            "`kvcached cleanup` removes what a dead engine left behind")
     path = socket_path(run_dir)
     if not path.exists():
         raise ControlUnavailable(

@@ -13,7 +13,9 @@ foreground:
 - it restarts a worker that exited: soon after a clean exit (it then waits
   for the next engine), with an exponential backoff capped at
   ``max_backoff_s`` after a crash; ``max_restarts`` consecutive crashes of a
-  rank stop the whole group with an error, so a service manager notices;
+  rank stop the whole group with an error, so a service manager notices
+  (the rule of ``kvcached.transfer.restarts``, which the engine's own
+  coordinator follows too);
 - SIGINT or SIGTERM stops the group: terminate, wait, kill.
 
 No orphans: the workers run in their own session (so a terminal's Ctrl-C
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcached.config import CacheConfig
+from kvcached.transfer.restarts import STABLE_S, backoff_s, count_crash, may_restart
 from kvcached.transfer.worker import EXIT_REFUSED
 
 logger = logging.getLogger(__name__)
@@ -58,7 +61,7 @@ class Launcher:
 
     def __init__(self, cfg: CacheConfig, config_path: str | os.PathLike, run_dir,
                  max_restarts: int | None = None, base_backoff_s: float = 0.2,
-                 max_backoff_s: float = 10.0, stable_s: float = 30.0,
+                 max_backoff_s: float = 10.0, stable_s: float = STABLE_S,
                  poll_s: float = 0.1, stop_grace_s: float = 5.0):
         self.cfg = cfg
         self.config_path = Path(config_path).resolve()
@@ -121,11 +124,8 @@ class Launcher:
 
     def _on_exit(self, r: _Rank, code: int, now: float) -> None:
         ran = now - r.started_at
-        if code == 0 or ran >= self.stable_s:
-            r.crashes = 0
-        if code != 0:
-            r.crashes += 1
-        if self.max_restarts is not None and r.crashes > self.max_restarts:
+        r.crashes = count_crash(r.crashes, ran, code != 0, self.stable_s)
+        if not may_restart(r.crashes, self.max_restarts):
             self._failed = True
             self.request_stop(f"rank {r.rank} crashed {r.crashes} times in a row "
                               f"(last exit code {code}); see {self.log_dir}")
@@ -140,9 +140,7 @@ class Launcher:
             delay)
 
     def _backoff(self, crashes: int) -> float:
-        if crashes == 0:
-            return self.base_backoff_s
-        return min(self.base_backoff_s * 2 ** crashes, self.max_backoff_s)
+        return backoff_s(crashes, self.base_backoff_s, self.max_backoff_s)
 
     def _spawn(self, r: _Rank) -> None:
         if r.proc is not None:

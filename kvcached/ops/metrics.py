@@ -20,7 +20,12 @@ Metrics (all prefixed ``kvcached_``):
     queue_depth{rank, lane}               tasks waiting or running on a worker lane
     worker_up{rank}, worker_restarts_total{rank}
     storage_ops_total{kind}, storage_errors_total{kind}   from the storage counters
-    paused, asleep, up                    up is 0 when status() itself failed
+    storage_rejected_total{rank, reason}  stored objects refused on read (each a miss):
+                                          checksum_mismatch, bad_magic, short_read, ...
+    storage_blocks_total{rank, op}        loaded, stored, store_failed, load_misses
+    storage_bytes{rank, kind}             used and cap of the file store
+    storage_backend_errors_total{rank, kind}   errors, timeouts
+    paused, asleep, draining, up          up is 0 when status() itself failed
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from kvcached.ops.statusview import storage_health
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +85,11 @@ class StatusCollector:
         yield from _transfers(core, stats.get("transfers") or {})
         yield from _workers(core, status.get("workers") or stats.get("workers") or [])
         yield from _storage(core, status.get("storage") or stats.get("storage") or {})
+        yield from _storage_health(core, storage_health(status))
 
 
 def _flags(core, status: dict) -> Iterator[Any]:
-    for name in ("paused", "asleep"):
+    for name in ("paused", "asleep", "draining"):
         yield core.GaugeMetricFamily(PREFIX + name, f"1 while kvcached is {name}",
                                      value=float(bool(status.get(name))))
 
@@ -189,6 +197,31 @@ def _storage(core, counts: dict) -> Iterator[Any]:
             errors.add_metric([kind], n)
     yield ops
     yield errors
+
+
+def _storage_health(core, health: list[tuple[Any, dict]]) -> Iterator[Any]:
+    """Each rank's storage health (``kvcached status`` shows the same)."""
+    rejected = core.CounterMetricFamily(PREFIX + "storage_rejected",
+                                        "stored objects refused on read (each a miss)",
+                                        labels=["rank", "reason"])
+    blocks = core.CounterMetricFamily(PREFIX + "storage_blocks", "blocks by storage op",
+                                      labels=["rank", "op"])
+    space = core.GaugeMetricFamily(PREFIX + "storage_bytes", "file store use and cap",
+                                   labels=["rank", "kind"])
+    errors = core.CounterMetricFamily(PREFIX + "storage_backend_errors",
+                                      "failed or timed-out backend calls", labels=["rank", "kind"])
+    for rank, h in health:
+        r = str(rank)
+        for reason, n in sorted((h.get("rejected") or {}).items()):
+            rejected.add_metric([r, reason], n)
+        for op in ("loaded", "stored", "store_failed", "load_misses"):
+            blocks.add_metric([r, op], h.get(op, 0))
+        if h.get("used_bytes") is not None:
+            space.add_metric([r, "used"], h["used_bytes"])
+            space.add_metric([r, "cap"], h.get("max_bytes", 0))
+        for kind in ("errors", "timeouts"):
+            errors.add_metric([r, kind], h.get(kind, 0))
+    yield from (rejected, blocks, space, errors)
 
 
 class MetricsServer:

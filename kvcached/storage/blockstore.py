@@ -42,6 +42,10 @@ _DAMAGED = {"short_read", "bad_magic", "bad_header_crc", "length_mismatch",
             "checksum_mismatch", "wrong_block"}
 
 
+# storage_max_bytes = 0: the file store may take this share of the free disk.
+DEFAULT_DISK_FRACTION = 0.1
+
+
 def default_file_dir() -> str:
     """Where the file backend lives when ``storage_url`` is empty."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -82,8 +86,9 @@ class BlockStore:
             url = url or default_file_dir()
             # Every rank's process shares the directory: each enforces its share
             # of the cap over the objects of its own rank.
-            share = cfg.storage_max_bytes // cfg.tp_size if cfg.storage_max_bytes else 0
-            opts = {"max_bytes": max(share, 1) if cfg.storage_max_bytes else 0,
+            cap = cfg.storage_max_bytes
+            opts = {"max_bytes": max(cap // cfg.tp_size, 1) if cap > 0 else 0,
+                    "disk_fraction": DEFAULT_DISK_FRACTION / cfg.tp_size if cap == 0 else 0.0,
                     "index_suffix": f"/{rank}of{cfg.tp_size}"}
         backend = open_backend(kind, url, **opts)
         ns = storage_namespace(cfg.model_id, cfg.weight_version, cfg.salt)
@@ -188,6 +193,20 @@ class BlockStore:
         """BlockStore counters, with the backend's under ``backend``."""
         return {**self.counters.snapshot(), "namespace": self.namespace,
                 "backend": self.backend.stats()}
+
+    def health(self) -> dict:
+        """What `kvcached status` shows of this rank's storage: traffic, space (file
+        store), objects rejected on read by reason (each a miss), backend errors."""
+        c, b = self.counters.snapshot(), self.backend.stats()
+        out = {"kind": b.get("kind", "?"), "loaded": c["blocks_loaded"],
+               "stored": c["blocks_stored"], "store_failed": c["blocks_store_failed"],
+               "load_misses": c["load_misses"], "damaged_deleted": c["damaged_deleted"],
+               "rejected": {r: c[f"miss_{r}"] for r in MISS_REASONS if c[f"miss_{r}"]},
+               "errors": b.get("errors", 0), "timeouts": b.get("timeouts", 0),
+               "breaker": b.get("breaker_state", "")}
+        if "bytes_used" in b:
+            out.update(used_bytes=b["bytes_used"], max_bytes=b.get("max_bytes", 0))
+        return out
 
     def release_host_pool(self) -> None:
         """Forget cached host pool views (call before the pool is freed, e.g. sleep)."""

@@ -13,7 +13,10 @@ and is a miss, which is all a cache needs.
 
 The size cap is enforced from an in-memory index (key -> size, in access
 order) built once at open from file modification times; hits touch the file's
-mtime so the order survives restarts. Several processes may share a
+mtime so the order survives restarts. Without an explicit cap
+(``max_bytes=0``) a ``disk_fraction`` > 0 sets one at open: that share of the
+free disk space plus what this store holds already (so the cap does not
+shrink as the store fills the disk). Several processes may share a
 directory (one per TP rank): each indexes only the keys it is told it owns
 (``index_suffix``) and enforces its own share of the cap; ``exists`` always
 asks the file system, so no process answers from a stale index.
@@ -25,6 +28,7 @@ import errno
 import itertools
 import logging
 import os
+import shutil
 import threading
 import time
 import zlib
@@ -54,10 +58,13 @@ class FileBackend(StorageBackend):
     kind = "file"
 
     def __init__(self, root: str | os.PathLike, max_bytes: int = 0,
-                 index_suffix: str | None = None, io_threads: int = 1) -> None:
+                 index_suffix: str | None = None, io_threads: int = 1,
+                 disk_fraction: float = 0.0) -> None:
         super().__init__(breaker=None)  # local disk: errors are per call, nothing to trip
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if not 0.0 <= disk_fraction <= 1.0:
+            raise ValueError(f"disk_fraction must be in [0, 1], got {disk_fraction}")
         self.root = Path(root)
         self.max_bytes = int(max_bytes)
         self.index_suffix = index_suffix
@@ -73,6 +80,12 @@ class FileBackend(StorageBackend):
         self.counters.declare("evictions", "io_errors", "oversize_objects")
         self._open_root()
         self._build_index()
+        if not self.max_bytes and disk_fraction:
+            free = shutil.disk_usage(self.root).free
+            self.max_bytes = max(1, int(disk_fraction * (free + self._used)))
+            logger.info("file storage %s: cap %d bytes (%.0f%% of the free disk and what "
+                        "the store holds)", self.root, self.max_bytes, 100 * disk_fraction)
+            self._evict()
 
     # ------------------------------------------------------------ paths
     def _path(self, key: str) -> str:

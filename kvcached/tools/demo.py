@@ -13,10 +13,12 @@ by token and logit by logit; then a short report is printed.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ DEMO_LAYOUT = dict(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, tp_
 # Eight open chats need ~100 blocks: the GPU tier holds 40, the CPU tier 64 more.
 DEMO_TIERS = dict(num_gpu_blocks=40, num_cpu_blocks=64)
 DEMO_MODEL = dict(d_model=128, ffn_dim=256, vocab_size=512)
+DEMO_MODEL_ID = "kvcached-demo"  # the reference model: storage keys are namespaced by it
 MAX_NEW_TOKENS = 12
 MAX_PROMPT = 480  # a chat longer than this ends (one request must fit the GPU tier)
 
@@ -127,17 +130,43 @@ class Progress:
 
 
 # -------------------------------------------------------------------- run
-def demo_config(log_dir: Path, storage_dir: Path | None, **overrides) -> tuple[CacheConfig, str]:
-    """The embedded defaults, resized for the demo; returns (config, storage note)."""
-    base = dict(DEMO_LAYOUT, **DEMO_TIERS, log_dir=str(log_dir), **overrides)
+class DemoConfigError(ValueError):
+    """The demo's configuration is invalid (a KVCACHED_* variable, most likely)."""
+
+
+def demo_config(log_dir: Path | None, storage_dir: Path | None,
+                **overrides) -> tuple[CacheConfig, str]:
+    """The embedded defaults (and KVCACHED_* variables), resized for the demo;
+    returns (config, storage note). Raises DemoConfigError naming what is wrong."""
+    base = dict(DEMO_LAYOUT, **DEMO_TIERS, model_id=DEMO_MODEL_ID, **overrides)
+    if log_dir is not None:
+        base["log_dir"] = str(log_dir)
     if storage_dir is None:
-        return CacheConfig.load(**base, storage_backend=None), "off"
+        base.update(storage_backend=None)
+        note = "off"
+    else:
+        base.update(storage_backend="file", storage_url=str(storage_dir))
+        note = f"file store in {storage_dir} (temporary)"
     try:
-        cfg = CacheConfig.load(**{**base, "storage_backend": "file",
-                                  "storage_url": str(storage_dir)})
-        return cfg, f"file store in {storage_dir} (temporary)"
-    except ValueError as e:  # a build without the file backend still runs the demo
-        return CacheConfig.load(**base, storage_backend=None), f"off ({e})"
+        return CacheConfig.load(**base), note
+    except ValueError as e:
+        raise DemoConfigError(str(e)) from None
+
+
+def overridden_env(**overrides) -> list[str]:
+    """The KVCACHED_* variables set now that the demo overrides (they do not apply)."""
+    from kvcached.config import env_name
+    fields = {**DEMO_LAYOUT, **DEMO_TIERS, "model_id": DEMO_MODEL_ID, "log_dir": "",
+              "storage_backend": "", "storage_url": "", **overrides}
+    return [f"{env_name(k)}={os.environ[env_name(k)]}" for k in sorted(fields)
+            if env_name(k) in os.environ]
+
+
+def _report_overridden(**overrides) -> None:
+    ignored = overridden_env(**overrides)
+    if ignored:
+        print(f"kvcached demo: ignoring {', '.join(ignored)}: the demo sets these itself "
+              "(its workload is sized for its own tiers)", file=sys.stderr)
 
 
 def serve_workload(eng: Engine, requests: int, seed: int,
@@ -251,12 +280,23 @@ def build_report(eng: Engine, served, check: dict, wall_s: float, log_dir: Path,
         f"  prefill saved  {saved} of {prompt} prompt tokens {pct(saved).strip()} "
         f"(computed {prompt - saved})",
         "  transfers", *_transfer_lines(st.transfers),
-        f"  evictions      {dict(sorted(st.evictions.items()))}",
+        f"  evictions      {_evictions(st.evictions)}",
         _verify_line(check),
         f"  wall time      {wall_s:.1f} s (set-up, serving and verification)",
         f"  logs           {log_dir}/",
     ]
     return report, "\n".join(text)
+
+
+EVICTION_WORDS = {"gpu_to_cpu": "GPU -> CPU (copied)",
+                  "gpu_to_cpu_backup": "GPU -> CPU (a CPU copy was there)",
+                  "gpu_dropped": "GPU dropped", "cpu_dropped": "CPU dropped"}
+
+
+def _evictions(evictions: dict) -> str:
+    """Evicted blocks by kind, in words."""
+    parts = [f"{n} {EVICTION_WORDS.get(kind, kind)}" for kind, n in sorted(evictions.items())]
+    return (", ".join(parts) + " blocks") if parts else "none"
 
 
 def _verify_line(check: dict) -> str:
@@ -284,13 +324,18 @@ def run_demo(requests: int = 600, seed: int = 0, verify_sample: int = 8,
     out = out or sys.stdout
     t0 = time.perf_counter()
     log_dir = Path(log_dir).resolve()
-    log_file = setup_process_logging(log_dir, "engine")
     storage_dir = Path(tempfile.mkdtemp(prefix="kvcached-demo-store-"))
+    try:  # checked before anything starts: a bad setting is one line, not a traceback
+        cfg, note = demo_config(log_dir, storage_dir if storage else None, **overrides)
+    except DemoConfigError:
+        shutil.rmtree(storage_dir, ignore_errors=True)
+        raise
+    _report_overridden(**overrides)
+    log_file = setup_process_logging(log_dir, "engine")
     threads = torch.get_num_threads()
     # One position at a time: tiny ops, for which intra-op threads only cost.
     torch.set_num_threads(1)
     try:
-        cfg, note = demo_config(log_dir, storage_dir if storage else None, **overrides)
         print(f"kvcached demo: starting {cfg.tp_size} transfer worker(s) "
               f"({cfg.transfer_mode}), {requests} requests ...", file=sys.stderr)
         with Engine.create(cfg, ModelConfig.for_cache(cfg, **DEMO_MODEL)) as eng:
@@ -317,3 +362,85 @@ def _remove_log_handler(log_file: Path) -> None:
         if getattr(h, "baseFilename", None) == str(log_file.resolve()):
             root.removeHandler(h)
             h.close()
+
+
+# ------------------------------------------------------------------- serve
+SERVE_HELP = """\
+kvcached demo --serve: engine pid {pid} serves a chat workload until Ctrl-C
+  run dir   {run_dir}
+  metrics   {metrics}
+  logs      {log_dir}/  (engine.log, worker-rank0.log, worker-rank1.log)
+  try       export KVCACHED_RUN_DIR={run_dir}
+            kvcached status
+            kvcached ctl pause; kvcached ctl resume
+            kvcached ctl sleep --drain; kvcached ctl wakeup
+"""
+
+
+def serve_demo(run_dir: str | None = None, rate: float = 20.0, seed: int = 0,
+               max_requests: int | None = None, stop: threading.Event | None = None,
+               out: TextIO | None = None, **overrides) -> dict:
+    """``kvcached demo --serve``: the demo's engine as a long-lived service to point
+    ``kvcached status`` and ``kvcached ctl`` at. Serves ``rate`` chat turns a
+    second until ``stop`` is set (Ctrl-C / SIGTERM in the CLI) or
+    ``max_requests`` were served; while the cache is asleep it waits for wakeup.
+    Prints the run dir, the metrics URL and the log files first; returns
+    counts. Raises DemoConfigError for a bad setting."""
+    out = out or sys.stdout
+    stop = stop or threading.Event()
+    storage_dir = Path(tempfile.mkdtemp(prefix="kvcached-demo-store-"))
+    try:
+        cfg, _ = demo_config(None, storage_dir, run_dir=run_dir or "", control_socket=True,
+                             **overrides)
+        _report_overridden(run_dir="", control_socket=True, **overrides)
+        torch.set_num_threads(1)
+        with Engine.create(cfg, ModelConfig.for_cache(cfg, **DEMO_MODEL)) as eng:
+            metrics = _start_metrics(eng.mgr)
+            try:
+                print(SERVE_HELP.format(pid=os.getpid(), run_dir=eng.mgr.run_dir,
+                                        metrics=metrics.url if metrics else _NO_METRICS,
+                                        log_dir=eng.mgr.log_dir), file=out, flush=True)
+                counts = _serve_until(eng, rate, seed, max_requests, stop)
+            finally:
+                if metrics is not None:
+                    metrics.close()
+        print(f"kvcached demo --serve: stopped after {counts['served']} requests "
+              f"({counts['asleep_waits']} waits while asleep)", file=out, flush=True)
+        return counts
+    finally:
+        shutil.rmtree(storage_dir, ignore_errors=True)
+
+
+_NO_METRICS = "off (pip install 'kvcached[metrics]' for a /metrics endpoint)"
+
+
+def _start_metrics(mgr):
+    """A /metrics endpoint on a free loopback port (None without prometheus-client)."""
+    if mgr.metrics is not None:  # metrics_port was configured: that one serves
+        return None
+    from kvcached.ops.metrics import MetricsServer
+    try:
+        return MetricsServer(mgr, "127.0.0.1", 0).start()
+    except RuntimeError as e:
+        logger.warning("demo: no metrics endpoint: %s", e)
+        return None
+
+
+def _serve_until(eng: Engine, rate: float, seed: int, max_requests: int | None,
+                 stop: threading.Event) -> dict:
+    from kvcached.errors import CacheAsleep
+    work = ChatWorkload(seed=seed, vocab=eng.model.cfg.vocab_size)
+    served = asleep = 0
+    while not stop.is_set() and (max_requests is None or served < max_requests):
+        chat, prompt = work.next_prompt()
+        try:
+            res = eng.generate(f"chat{chat.cid}-turn{chat.turn}-{served}", prompt,
+                               MAX_NEW_TOKENS)
+        except CacheAsleep:  # `kvcached ctl sleep`: wait for `kvcached ctl wakeup`
+            asleep += 1
+            stop.wait(0.2)
+            continue
+        work.record(chat, prompt, res.tokens)
+        served += 1
+        stop.wait(1.0 / rate)
+    return {"served": served, "asleep_waits": asleep}

@@ -48,7 +48,7 @@ PAD_BASE = 1 << 52  # tokens past the trace's hash ids: unique to their request
 TRACE_DEFAULTS = dict(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32",
                       block_size=64, num_gpu_blocks=1024, num_cpu_blocks=0,
                       transfer_mode="inprocess", create_cache=True, storage_backend=None,
-                      tp_size=1)
+                      tp_size=1, model_id="trace-replay")  # storage (--storage-dir) needs it
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,11 @@ class Transfer(ABC):
         """Apply a control operation on every rank (pause, resume, ...)."""
         return {"ok": True, "op": op, "ranks": {}}
 
+    def restart_workers(self, timeout_s: float) -> dict[str, Any]:
+        """Restart the workers that gave up; returns once every rank is ready (or
+        ``timeout_s`` passed). Nothing to restart without worker processes."""
+        return {"changed": False, "restarted": []}
+
     def stats(self) -> dict[str, Any]:
         return {}
 

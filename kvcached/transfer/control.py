@@ -69,8 +69,9 @@ def _update_weights(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
     version = str(args.get("version", ""))
     if not version:
         raise ValueError("update_weights needs a non-empty 'version'")
-    cfg = w.cfg
-    w.executor.set_namespace(storage_namespace(cfg.model_id, version, cfg.salt))
+    w.cfg = w.executor.cfg = w.cfg.replace(weight_version=version)  # a later attach uses it
+    if w.executor.store is not None:  # without storage there is no namespace to switch
+        w.executor.set_namespace(storage_namespace(w.cfg.model_id, version, w.cfg.salt))
     return {"changed": True, "version": version}
 
 

@@ -1,6 +1,11 @@
-"""Where the coordinator's sockets live: ipc:// files in the run directory
-(mode 0700, so only this user can talk to them), or TCP on 127.0.0.1 when
-configured."""
+"""Where the coordinator's and the control socket live: ipc:// files in the
+run directory.
+
+Only ipc://: the run directory is mode 0700, so the file system is the access
+control (only this user can send tasks that write KV memory, or pause the
+engine). TCP is not offered: a TCP port on 127.0.0.1 is open to every local
+user, and the protocol has no authentication. (KV events, which only
+publish, may use TCP: ``kv_events_endpoint``.)"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ from pathlib import Path
 
 from kvcached.config import CacheConfig
 
+# {"pid": engine pid}: names the host pools a worker attaches
+from kvcached.memory.rundir import ENGINE_FILE as ENGINE_FILE
+
 CONFIG_FILE = "config.json"
-ENGINE_FILE = "engine.json"  # {"pid": engine pid}: names the host pools a worker attaches
 
 
 def coordinator_endpoint(cfg: CacheConfig, run_dir) -> str:

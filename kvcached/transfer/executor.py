@@ -26,7 +26,7 @@ from kvcached.transfer.base import Task
 
 logger = logging.getLogger(__name__)
 
-LOAD_CHUNK = 16  # blocks read per storage batch; the load deadline is checked between
+LOAD_CHUNK = 16  # blocks read per storage batch; the load policy is applied between
 
 
 class RankExecutor:
@@ -179,15 +179,21 @@ class RankExecutor:
         return {"bytes": nbytes, "stored": [int(x) for x in ok]}
 
     def _load(self, task: Task, hashes: list[bytes]) -> dict[str, Any]:
-        """Storage -> host blocks (in chunks, until the deadline) -> GPU blocks."""
-        deadline = task.args.get("deadline_s")
-        stop = time.monotonic() + deadline if deadline else None
+        """Storage -> host blocks (chunk by chunk) -> GPU blocks; what arrived is
+        used, the rest is recomputed. Between chunks, ``storage_load_policy``
+        decides: ``best_effort`` stops at the first check (one chunk: it never
+        waits for a second read), ``timeout`` once ``storage_load_timeout_s``
+        passed, ``wait_complete`` never (every block the lookup found)."""
+        policy = self.cfg.storage_load_policy
+        deadline = task.args.get("deadline_s", self.cfg.storage_load_timeout_s)
+        stop = time.monotonic() + deadline if policy == "timeout" else None
         done = 0
         while done < len(hashes):
             start, end = done, min(done + LOAD_CHUNK, len(hashes))
             done = start + self.store.load(hashes[start:end], self.host.tensor,
                                            task.dst[start:end])
-            if done < end or (stop is not None and time.monotonic() > stop):
+            if (done < end or policy == "best_effort"
+                    or (stop is not None and time.monotonic() > stop)):
                 break
         device_ids = task.args.get("device_ids")
         nbytes = self._swap_in(task, task.dst[:done], device_ids[:done]) if device_ids and done \
@@ -213,6 +219,11 @@ class RankExecutor:
         self.store.close()
         self.store = None
         return True
+
+    def storage_health(self) -> dict[str, Any]:
+        """This rank's storage as `kvcached status` shows it ({} without storage)."""
+        store = self.store
+        return store.health() if store is not None else {}
 
     def set_namespace(self, namespace: str) -> None:
         if self.store is not None:

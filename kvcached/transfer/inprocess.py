@@ -67,9 +67,17 @@ class InProcessTransfer(Transfer):
         if self._stamper is not None:
             self._stamper.close()
 
+    def stats(self) -> dict:
+        """Each rank's storage health (workers report theirs in heartbeats)."""
+        health = [{"rank": ex.rank, **h} for ex in self.executors
+                  if (h := ex.storage_health())]
+        return {"storage_ranks": health} if health else {}
+
     def control(self, op: str, args=None, timeout_s: float = 10.0) -> dict:
         """Copies are synchronous here, so pause/resume have nothing to hold."""
         args = args or {}
+        if op == "update_weights":  # a later attach_storage must use the new version
+            self.cfg = self.cfg.replace(weight_version=str(args["version"]))
         for ex in self.executors:
             if op == "sleep":
                 ex.close(final=False)
@@ -81,8 +89,10 @@ class InProcessTransfer(Transfer):
             elif op == "detach_storage":
                 ex.detach_storage()
             elif op == "update_weights":
-                from kvcached.storage.objects import storage_namespace
-                ex.set_namespace(storage_namespace(self.cfg.model_id, args["version"],
-                                                   self.cfg.salt))
+                ex.cfg = ex.cfg.replace(weight_version=self.cfg.weight_version)
+                if ex.store is not None:
+                    from kvcached.storage.objects import storage_namespace
+                    ex.set_namespace(storage_namespace(self.cfg.model_id, args["version"],
+                                                       self.cfg.salt))
         return {"ok": True, "op": op, "ranks": {ex.rank: {"changed": True}
                                                for ex in self.executors}}

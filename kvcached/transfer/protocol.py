@@ -14,13 +14,29 @@ at. ``kind`` picks the message class; the map must then hold exactly that
 class's fields (a missing or an unknown key is an error, so both sides notice
 drift instead of silently dropping data). Field types on the wire:
 
-    int    msgpack int, within int64; a bool is NOT an int
-    float  msgpack float or int (decoded as float)
+    int    msgpack int, within int64 and the field's range (below); a bool is NOT an int
+    float  msgpack float or int (decoded as float), finite, within the field's range
     bool   msgpack true/false
     str    msgpack str (UTF-8), at most ``Limits.max_str`` bytes
     ids    array of ints, each 0 <= id < bound, at most ``Limits.max_ids`` long
     map    map with str keys whose values are int, float, str, bool, nil, bin,
-           or arrays/maps of those, nested at most 4 containers deep below the map
+           or arrays/maps of those, nested at most 4 containers deep below the map;
+           every float in it finite (NaN and infinities are refused everywhere)
+
+Numeric ranges (checked by decode and encode alike, so a hostile or buggy
+peer never gets a NaN, an infinity or a negative count past validation)::
+
+    hello      rank 0..MAX_RANK, pid 1..MAX_PID, protocol, block counts,
+               restarts >= 0
+    task       task_id >= 0
+    done       task_id >= 0, rank 0..MAX_RANK, blocks_done >= 0,
+               elapsed_s in [0, MAX_SECONDS]
+    heartbeat  seq >= 0, time in [0, MAX_TIME] (seconds since the epoch)
+    ctl        timeout_s in [MIN_TIMEOUT_S, MAX_SECONDS]
+
+and in the args of a task or a ctl request, every key ending in ``_s`` (a
+duration: control ``timeout_s``, load ``deadline_s``, ctl
+``drain_timeout_s``) is a number in [0, MAX_SECONDS].
 
 Kinds (direction; fields)::
 
@@ -58,6 +74,7 @@ answers it with an :class:`ErrorReply` and keeps running.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -70,6 +87,14 @@ INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 # Containers allowed below an args/result/info map (the map itself not counted).
 MAX_NESTING = 4
+# Numeric ranges (see the module docstring). A rank beyond any real TP size,
+# a duration of more than ~11 days or a time past the year 5000 is a bug or
+# an attack, never data.
+MAX_RANK = 65535
+MAX_PID = (1 << 31) - 1
+MAX_SECONDS = 1e6
+MIN_TIMEOUT_S = 0.001
+MAX_TIME = 1e11
 
 TASK_KINDS = frozenset({"swap_out", "swap_in", "store", "load", "lookup", "control", "noop"})
 CONTROL_OPS = frozenset({
@@ -155,10 +180,17 @@ def _check_bool(value: Any, where: str, limits: Limits) -> bool:
 def _check_float(value: Any, where: str, limits: Limits) -> float:
     kind = type(value)
     if kind is float:
+        if not math.isfinite(value):
+            raise ProtocolError(f"{where}: {value} is not a finite number")
         return value
     if kind is int and INT64_MIN <= value <= INT64_MAX:
         return float(value)
     raise _fail(where, "float (or int)", value)
+
+
+def _check_range(value: float, where: str, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:
+        raise ProtocolError(f"{where}: {value} is out of range [{lo}, {hi}]")
 
 
 def _str_fits(text: str, max_bytes: int) -> bool:
@@ -205,7 +237,9 @@ def _check_value(value: Any, where: str, depth: int, limits: Limits) -> Any:
         return _check_int(value, where, limits)
     if kind is str:
         return _check_str(value, where, limits)
-    if kind in (float, bool, bytes) or value is None:
+    if kind is float:
+        return _check_float(value, where, limits)
+    if kind in (bool, bytes) or value is None:
         return value
     if kind in (list, tuple, dict):
         if depth >= MAX_NESTING:
@@ -228,7 +262,7 @@ def _check_list(value: list | tuple, where: str, depth: int, limits: Limits) -> 
     return [_check_value(x, f"{where}[{i}]", depth, limits) for i, x in enumerate(value)]
 
 
-_PLAIN = frozenset({float, bool, bytes, type(None)})  # map values kept as they are
+_PLAIN = frozenset({bool, bytes, type(None)})  # map values kept as they are
 
 
 def _check_dict(value: dict, where: str, depth: int, limits: Limits) -> dict:
@@ -242,6 +276,7 @@ def _check_dict(value: dict, where: str, depth: int, limits: Limits) -> dict:
         kind = type(item)
         if type(key) is str and len(key) <= short and (
                 kind in _PLAIN or (kind is int and INT64_MIN <= item <= INT64_MAX)
+                or (kind is float and math.isfinite(item))
                 or (kind is str and len(item) <= short)):
             out[key] = item
             continue
@@ -281,6 +316,10 @@ class Message:
     # (attribute, wire key, "where" prefix for errors, checker), built once per class.
     _SPEC: ClassVar[tuple[tuple[str, str, str, Checker], ...]]
     _KEYS: ClassVar[frozenset[str]]
+    # Numeric fields with a range: attribute -> (lo, hi), both inclusive.
+    RANGES: ClassVar[dict[str, tuple[float, float]]] = {}
+    # (attribute, "where" prefix, lo, hi), built once per class from RANGES.
+    _RANGE_SPEC: ClassVar[tuple[tuple[str, str, float, float], ...]]
 
     def encode(self, limits: Limits | None = None) -> bytes:
         """Shorthand for :func:`encode` (validates, then packs)."""
@@ -304,6 +343,8 @@ def _message(kind: str, /, **wire_names: str) -> Callable[[type], type]:
             spec.append((f.name, key, f"{kind}.{key}", _CHECKERS[f.type]))
         cls.KIND = kind
         cls._SPEC = tuple(spec)
+        cls._RANGE_SPEC = tuple((attr, f"{kind}.{wire_names.get(attr, attr)}", lo, hi)
+                                for attr, (lo, hi) in cls.RANGES.items())
         cls._KEYS = frozenset({"v", "kind"} | {key for _, key, _, _ in spec})
         _BY_KIND[kind] = cls
         return cls
@@ -315,6 +356,10 @@ def _message(kind: str, /, **wire_names: str) -> Callable[[type], type]:
 @dataclass(slots=True)
 class Hello(Message):
     """Worker -> coordinator on connect: who it is and what memory layout it attached."""
+
+    RANGES: ClassVar = {"rank": (0, MAX_RANK), "pid": (1, MAX_PID), "protocol": (0, INT64_MAX),
+                        "num_device_blocks": (0, INT64_MAX), "num_host_blocks": (0, INT64_MAX),
+                        "restarts": (0, INT64_MAX)}
 
     rank: int
     pid: int
@@ -339,6 +384,8 @@ class Ready(Message):
 class Task(Message):
     """Coordinator -> worker: one transfer or control task (see the module docstring)."""
 
+    RANGES: ClassVar = {"task_id": (0, INT64_MAX)}
+
     task_id: int
     kind: str
     src: list[int] = field(default_factory=list)
@@ -350,6 +397,9 @@ class Task(Message):
 @dataclass(slots=True)
 class Done(Message):
     """Worker -> coordinator: the rank finished a task (ok or not)."""
+
+    RANGES: ClassVar = {"task_id": (0, INT64_MAX), "rank": (0, MAX_RANK),
+                        "blocks_done": (0, INT64_MAX), "elapsed_s": (0.0, MAX_SECONDS)}
 
     task_id: int
     rank: int
@@ -364,6 +414,8 @@ class Done(Message):
 @dataclass(slots=True)
 class Heartbeat(Message):
     """Liveness, both ways; ``info`` carries optional health numbers."""
+
+    RANGES: ClassVar = {"seq": (0, INT64_MAX), "time": (0.0, MAX_TIME)}
 
     sender: str
     seq: int
@@ -398,6 +450,8 @@ class Shutdown(Message):
 @dataclass(slots=True)
 class CtlRequest(Message):
     """CLI -> coordinator control socket: apply ``op`` on every rank within ``timeout_s``."""
+
+    RANGES: ClassVar = {"timeout_s": (MIN_TIMEOUT_S, MAX_SECONDS)}
 
     op: str
     args: dict[str, Any] = field(default_factory=dict)
@@ -453,6 +507,7 @@ def _check_empty(task: Task, *names: str) -> None:
 def _check_task(task: Task, limits: Limits) -> None:
     """Kind-specific rules: which ids are device/host, matching lengths, required args."""
     kind, dev, host = task.kind, limits.num_device_blocks, limits.num_host_blocks
+    _check_durations(task.args, f"task {kind}: args")
     if kind not in TASK_KINDS:
         raise ProtocolError(f"task.task_kind: unknown task kind {kind!r}; "
                             f"expected one of {sorted(TASK_KINDS)}")
@@ -480,6 +535,16 @@ def _check_task(task: Task, limits: Limits) -> None:
         if type(op) is not str or op not in CONTROL_OPS:  # type first: a list is unhashable
             raise ProtocolError(f"task control: args['op']={op!r} is not one of "
                                 f"{sorted(CONTROL_OPS)}")
+
+
+def _check_durations(args: dict[str, Any], where: str) -> None:
+    """Every ``*_s`` key of ``args`` is a duration: a number in [0, MAX_SECONDS]."""
+    for name, value in args.items():
+        if name.endswith("_s"):
+            at = f"{where}[{name!r}]"
+            if type(value) not in (int, float):  # bool is not a duration either
+                raise _fail(at, "a number of seconds", value)
+            _check_range(value, at, 0.0, MAX_SECONDS)
 
 
 # ---------------------------------------------------------------------------
@@ -514,7 +579,7 @@ def _quick_task(wire: dict[str, Any], limits: Limits) -> bool:
     """A swap or noop with equal-length id lists and no args."""
     task_id, kind, src, dst, args = (wire["task_id"], wire["task_kind"], wire["src"],
                                      wire["dst"], wire["args"])
-    if (type(task_id) is not int or not INT64_MIN <= task_id <= INT64_MAX
+    if (type(task_id) is not int or not 0 <= task_id <= INT64_MAX
             or type(kind) is not str or kind not in _QUICK_TASK_KINDS
             or type(args) is not dict or args or type(src) is not list
             or type(dst) is not list or len(src) != len(dst) or len(src) > limits.max_ids):
@@ -527,20 +592,24 @@ _PLAIN_RESULT = frozenset({int, float, bool})
 
 
 def _quick_done(wire: dict[str, Any], limits: Limits) -> bool:
-    """Ints within int64, a float elapsed time, a short error and a flat result map
-    of short keys and numbers."""
+    """Ints in range, a float elapsed time in range, a short error and a flat result
+    map of short keys and numbers (finite floats)."""
     task_id, rank, blocks = wire["task_id"], wire["rank"], wire["blocks_done"]
-    error, result = wire["error"], wire["result"]
+    error, result, elapsed = wire["error"], wire["result"], wire["elapsed_s"]
     if (type(task_id) is not int or type(rank) is not int or type(blocks) is not int
             or type(wire["ok"]) is not bool or type(error) is not str
-            or type(wire["elapsed_s"]) is not float or type(result) is not dict
+            or type(elapsed) is not float or not 0.0 <= elapsed <= MAX_SECONDS
+            or type(result) is not dict
             or len(error) > limits.max_str >> 2 or len(result) > limits.max_map
-            or min(task_id, rank, blocks) < INT64_MIN or max(task_id, rank, blocks) > INT64_MAX):
+            or min(task_id, rank, blocks) < 0 or max(task_id, blocks) > INT64_MAX
+            or rank > MAX_RANK):
         return False
     short = limits.max_str >> 2
     for key, value in result.items():
-        if (type(key) is not str or len(key) > short or type(value) not in _PLAIN_RESULT
-                or (type(value) is int and not INT64_MIN <= value <= INT64_MAX)):
+        kind = type(value)
+        if (type(key) is not str or len(key) > short or kind not in _PLAIN_RESULT
+                or (kind is int and not INT64_MIN <= value <= INT64_MAX)
+                or (kind is float and not math.isfinite(value))):
             return False
     return True
 
@@ -564,9 +633,19 @@ def _to_wire(msg: Message, limits: Limits) -> dict[str, Any]:
     wire = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
     for attr, key, where, check in msg._SPEC:
         wire[key] = check(getattr(msg, attr), where, limits)
+    _check_ranges(msg)
     if type(msg) is Task:
         _check_task(msg, limits)
     return wire
+
+
+def _check_ranges(msg: Message) -> None:
+    """Every numeric field within its declared range (after the type checks), and
+    the durations in a ctl request's args (a task's: ``_check_task``)."""
+    for attr, where, lo, hi in msg._RANGE_SPEC:
+        _check_range(getattr(msg, attr), where, lo, hi)
+    if type(msg) is CtlRequest:
+        _check_durations(msg.args, "ctl.args")
 
 
 def encode(msg: Message, limits: Limits | None = None) -> bytes:
@@ -710,7 +789,8 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
     obj = _unpack(raw, limits)
     cls = _check_header(obj)
     task_id = obj.get("task_id")
-    task_id = task_id if type(task_id) is int else None
+    # Only an id a Done could carry back (an answer must itself be valid).
+    task_id = task_id if type(task_id) is int and 0 <= task_id <= INT64_MAX else None
     if len(obj) != len(cls._KEYS) or not obj.keys() <= cls._KEYS:
         _check_keys_exact(obj, cls, task_id)
     try:
@@ -718,6 +798,7 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
         if quick is not None and quick(obj, limits):
             return cls(*[obj[key] for _, key, _, _ in cls._SPEC])
         msg = cls(*[check(obj[key], where, limits) for _, key, where, check in cls._SPEC])
+        _check_ranges(msg)
         if cls is Task:
             _check_task(msg, limits)
     except ProtocolError as exc:
@@ -727,7 +808,8 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
 
 
 __all__ = [
-    "CONTROL_OPS", "DEFAULT_LIMITS", "MAX_NESTING", "MESSAGE_KINDS", "PROTOCOL_VERSION",
+    "CONTROL_OPS", "DEFAULT_LIMITS", "MAX_NESTING", "MAX_PID", "MAX_RANK", "MAX_SECONDS",
+    "MAX_TIME", "MESSAGE_KINDS", "MIN_TIMEOUT_S", "PROTOCOL_VERSION",
     "TASK_KINDS", "CtlReply", "CtlRequest", "Done", "ErrorReply", "Heartbeat", "Hello",
     "Limits", "Message", "ProtocolError", "Ready", "Shutdown", "Task", "clip", "decode",
     "done_fields", "encode", "encode_done", "encode_task", "quick_wire",

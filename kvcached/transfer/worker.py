@@ -34,7 +34,7 @@ import zmq
 from kvcached.config import CacheConfig
 from kvcached.transfer import protocol as P
 from kvcached.transfer.base import Task
-from kvcached.transfer.endpoints import ENGINE_FILE, coordinator_endpoint
+from kvcached.transfer.endpoints import CONFIG_FILE, ENGINE_FILE, coordinator_endpoint
 from kvcached.transfer.executor import RankExecutor
 from kvcached.transfer.fastpath import swap_server
 
@@ -53,6 +53,8 @@ INLINE_MAX_BLOCKS = 8  # swaps up to this size run on the socket thread (microse
 CHORES_S = 0.01
 LANE_JOIN_S = 5.0  # at exit, lanes finishing a copy get this long in all (they are daemons)
 SEND_POLL_MS = 10  # a send with no room waits in slices this long, checking on the engine
+# What can change while the engine runs (update_weights, attach/detach_storage).
+RUNTIME_FIELDS = ("weight_version", "storage_backend", "storage_url")
 
 
 class EngineGone(Exception):
@@ -269,6 +271,7 @@ class Worker:
             # Handshake first (a layout mismatch is named there), then attach;
             # tasks wait in the socket meanwhile.
             self._learn_engine_pid()
+            self._adopt_runtime_config()
             self.open_executor(self.cfg.worker_start_timeout_s)
             self._ready = True
         elif verdict == "stop":
@@ -421,6 +424,28 @@ class Worker:
             raise RuntimeError(f"cannot read {ENGINE_FILE} in {self.run_dir}: {e}") from e
         self.executor.owner_pid = pid
 
+    def _adopt_runtime_config(self) -> None:
+        """Serve the engine's current weights and storage, not the start-up config's:
+        the engine writes them to config.json before it tells the ranks of a
+        change (update_weights, attach/detach_storage), so a worker restarted
+        after one, or a `kvcached launch` worker started from a TOML file,
+        comes back serving what the engine serves."""
+        try:
+            current = json.loads((self.run_dir / CONFIG_FILE).read_text())
+        except (OSError, ValueError):
+            return  # no engine config (yet): ours is all there is
+        changes = {k: current[k] for k in RUNTIME_FIELDS
+                   if k in current and current[k] != getattr(self.cfg, k)}
+        if not changes:
+            return
+        try:
+            self.cfg = self.executor.cfg = self.cfg.replace(**changes)
+        except ValueError as e:
+            logger.error("worker rank %d: the engine's %s is not usable here: %s", self.rank,
+                         CONFIG_FILE, e)
+            return
+        logger.info("worker rank %d: serving the engine's current %s", self.rank, changes)
+
     def _engine_alive(self) -> bool:
         if self.engine_pid is None:
             return True
@@ -441,7 +466,8 @@ class Worker:
     def _heartbeat(self) -> P.Heartbeat:
         self._hb_seq += 1
         info = {"queues": self.queue_depths(), "paused": self.paused,
-                "done": self.tasks_done, "failed": self.tasks_failed, "fast": self.tasks_fast}
+                "done": self.tasks_done, "failed": self.tasks_failed, "fast": self.tasks_fast,
+                "storage": self.executor.storage_health()}
         return P.Heartbeat(sender=f"rank-{self.rank}", seq=self._hb_seq, time=time.time(),
                            info=info)
 
@@ -455,7 +481,26 @@ def run_worker(cfg: CacheConfig, run_dir, rank: int, engine_pid: int | None,
     logger.info("worker rank %d starting (pid %d, engine pid %s, restart %d)", rank,
                 os.getpid(), engine_pid, restarts)
     try:
+        _prepare(cfg)
         return Worker(cfg, run_dir, rank, engine_pid, restarts).run()
     except Exception:
         logger.exception("worker rank %d crashed", rank)
         return 1
+
+
+def _prepare(cfg: CacheConfig) -> None:
+    """Import torch and load the native pieces before the hello. Once the
+    coordinator has accepted it, a worker must heartbeat within
+    worker_timeout_s, and it sends nothing while it attaches; the package is
+    imported lazily (the control client must not pay for torch), so without
+    this the import would fall into that window."""
+    import kvcached.memory.hostpool  # noqa: F401 (torch)
+    import kvcached.memory.kvshare  # noqa: F401
+    if cfg.device == "cpu" and cfg.num_cpu_blocks:
+        from kvcached.copy import cpu
+        try:
+            cpu.load_native()
+        except RuntimeError:
+            pass  # the copy engine falls back (and says so) when it is built
+        from kvcached.transfer.fastpath import load_native
+        load_native()

@@ -16,8 +16,15 @@ it is silent for ``worker_timeout_s``, or when it leaves a task unanswered
 past ``task_timeout_s``. Every task in flight on it then fails with
 ``lost=True`` (WorkerLost), the process is killed so that no late copy can
 land in a block that was rolled back, and it is restarted with backoff
-until ``max_worker_restarts`` is used up; after that ``healthy`` turns False
-and the manager switches its CPU tier off.
+(``kvcached.transfer.restarts``, the rule ``kvcached launch`` follows too).
+A rank that crashes ``max_worker_restarts`` times in a row (a worker ready
+for ``worker_stable_s`` starts the count over) gives up: ``healthy`` turns
+False and the manager switches its CPU tier off, until
+``restart_workers`` (``kvcached ctl restart-workers``) brings it back.
+
+Runtime changes (``update_weights``, ``attach_storage``, ``detach_storage``)
+are written to ``run_dir/config.json`` before the ranks are told, so a
+restarted worker comes back serving the current weights and storage.
 """
 
 from __future__ import annotations
@@ -39,16 +46,13 @@ from typing import Any
 import zmq
 
 from kvcached.config import CacheConfig
+from kvcached.memory.rundir import write_engine_file
 from kvcached.transfer import protocol as P
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer, merge_results
-from kvcached.transfer.endpoints import (
-    CONFIG_FILE,
-    ENGINE_FILE,
-    coordinator_endpoint,
-    socket_files,
-)
+from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
 from kvcached.transfer.fastpath import done_parser
 from kvcached.transfer.peers import PeerTracker
+from kvcached.transfer.restarts import backoff_s, count_crash, may_restart
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,13 @@ CLOSE_LINGER_MS = 200
 # At close, how long the told-to-leave workers get to read our last words and
 # disconnect before the socket closes under them (see kvcached.transfer.peers).
 CLOSE_GRACE_S = 1.0
+RESTART_BASE_S, RESTART_CAP_S = 0.2, 5.0  # backoff of a crashed rank's restart
+# What a worker shows before its first heartbeat (then the heartbeat's info):
+# every entry of stats()["workers"] has the same keys from the start.
+INFO_DEFAULTS = {"queues": {}, "paused": False, "done": 0, "failed": 0, "fast": 0,
+                 "storage": {}}
+# Control ops that change the config a (re)started worker must serve.
+RUNTIME_OPS = frozenset({"update_weights", "attach_storage", "detach_storage"})
 # Plain ints: the IntFlag members of pyzmq cost an enum operation per use.
 _POLLIN, _SNDMORE, _EVENTS, _RCVMORE = (int(f) for f in (zmq.POLLIN, zmq.SNDMORE, zmq.EVENTS,
                                                          zmq.RCVMORE))
@@ -75,7 +86,9 @@ class _WorkerState:
     state: str = "starting"  # starting | ready | lost | failed (no more restarts)
     lost_reason: str = ""
     last_seen: float = 0.0
-    restarts: int = 0
+    restarts: int = 0  # since the engine started
+    crashes: int = 0  # consecutive (kvcached.transfer.restarts)
+    ready_at: float = 0.0
     restart_at: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -133,7 +146,7 @@ class WorkerTransfer(Transfer):
     def start(self) -> None:
         """Bind, spawn the workers (unless launched separately), wait for every hello."""
         (self.run_dir / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict()))
-        (self.run_dir / ENGINE_FILE).write_text(json.dumps({"pid": os.getpid()}))
+        write_engine_file(self.run_dir)
         endpoint = coordinator_endpoint(self.cfg, self.run_dir)
         if len(endpoint) > 100:
             raise ValueError(f"run_dir {str(self.run_dir)!r} is too long for an ipc socket "
@@ -463,6 +476,7 @@ class WorkerTransfer(Transfer):
         if w.ready and msg.pid != w.pid:  # restarted before we noticed the old one die
             self._lose(w.rank, f"replaced by pid {msg.pid}")
         w.pid, w.state, w.lost_reason = msg.pid, "ready", ""
+        w.ready_at = time.monotonic()
         logger.info("coordinator: rank %d ready (pid %d, restart %d)", w.rank, msg.pid,
                     msg.restarts)
         with self._ready_cv:
@@ -540,14 +554,18 @@ class WorkerTransfer(Transfer):
             self._rank_answered(inf, rank, False, f"worker lost: {reason}", lost=True)
         if not self.cfg.spawn_workers:
             return  # `kvcached launch` restarts it; its hello makes it ready again
-        if w.restarts < self.cfg.max_worker_restarts:
-            w.restart_at = time.monotonic() + min(0.2 * 2 ** w.restarts, 5.0)
+        now = time.monotonic()
+        ran = now - w.ready_at if w.ready_at else 0.0
+        w.crashes = count_crash(w.crashes, ran, True, self.cfg.worker_stable_s)
+        if may_restart(w.crashes, self.cfg.max_worker_restarts):
+            w.restart_at = now + backoff_s(w.crashes, RESTART_BASE_S, RESTART_CAP_S)
             w.restarts += 1
         else:
             w.state = "failed"
             self._healthy = False
-            logger.error("coordinator: rank %d gave up after %d restarts; the CPU tier "
-                         "goes off and the engine serves GPU-only", rank, w.restarts)
+            logger.error("coordinator: rank %d gave up after %d crashes in a row; the CPU "
+                         "tier goes off and the engine serves GPU-only (`kvcached ctl "
+                         "restart-workers` brings it back)", rank, w.crashes)
         with self._ready_cv:
             self._ready_cv.notify_all()
 
@@ -560,7 +578,7 @@ class WorkerTransfer(Transfer):
                                   stdout=subprocess.DEVNULL,
                                   stderr=open(self.log_dir / f"worker-rank{w.rank}.stderr", "ab"))
         w.last_seen = time.monotonic()
-        w.state = "starting"
+        w.state, w.ready_at = "starting", 0.0  # a crash before ready counts as instant
         logger.info("coordinator: spawned rank %d as pid %d", w.rank, w.proc.pid)
 
     # ----------------------------------------------------------------- stats
@@ -574,9 +592,9 @@ class WorkerTransfer(Transfer):
         # moves it to _held on its next wake-up.
         held = len(self._held) + (len(self._outbox) if self._paused else 0)
         return {"paused": self._paused, "held": held, "workers": [
-            {"rank": w.rank, "pid": w.pid, "state": w.state, "restarts": w.restarts,
-             "lost_reason": w.lost_reason, "last_seen_s": round(now - w.last_seen, 3),
-             **w.info} for w in self.workers],
+            {**INFO_DEFAULTS, **w.info, "rank": w.rank, "pid": w.pid, "state": w.state,
+             "restarts": w.restarts, "crashes": w.crashes, "lost_reason": w.lost_reason,
+             "last_seen_s": round(now - w.last_seen, 3)} for w in self.workers],
             "inflight": len(self._inflight), "healthy": self._healthy}
 
     def control(self, op: str, args: dict[str, Any] | None = None,
@@ -584,18 +602,56 @@ class WorkerTransfer(Transfer):
         """Apply ``op`` on every rank; on timeout the answer names the silent ranks."""
         if op in ("pause", "sleep"):
             self._paused = True  # from now on new tasks wait here, in order
+        before = self.cfg
+        if op in RUNTIME_OPS:  # written first: a rank restarting meanwhile reads it
+            self._write_config(_runtime_config(self.cfg, op, args or {}))
         h = self.submit(Task("control", [], [], {"op": op, **(args or {}),
                                                  "timeout_s": timeout_s}))
         if not h.wait(timeout_s + 1.0):
             return {"ok": False, "op": op, "error": f"no answer within {timeout_s}s",
                     "ranks": {}, "silent_ranks": list(range(len(self.workers)))}
         res = h.result
+        if op in RUNTIME_OPS and not res.ok and not res.lost:
+            self._write_config(before)  # the engine keeps the old one (it raises)
         if op in ("resume", "wakeup"):
             # A rank lost meanwhile restarts fresh (awake, unpaused): resume anyway.
             self._paused = False
             self._wake()  # the IO thread sends what was held
         return {"ok": res.ok, "op": op, "error": res.error, "lost": res.lost,
                 "silent_ranks": [], "ranks": dict(res.per_rank)}
+
+    def _write_config(self, cfg: CacheConfig) -> None:
+        """``cfg`` becomes what (re)started workers load: ``run_dir/config.json``,
+        replaced atomically (a worker never reads half a file)."""
+        path = self.run_dir / CONFIG_FILE
+        tmp = path.with_name(f".{CONFIG_FILE}.tmp")
+        tmp.write_text(json.dumps(cfg.to_dict()))
+        os.replace(tmp, path)
+        self.cfg = cfg
+
+    def restart_workers(self, timeout_s: float) -> dict[str, Any]:
+        """Restart the ranks that gave up (their crash count starts over) and wait
+        until every rank is ready; then the transfer is healthy again."""
+        if not self.cfg.spawn_workers:
+            raise RuntimeError("the workers are run by `kvcached launch` (spawn_workers = "
+                               "false): restart that service instead")
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the coordinator has stopped; restart the engine")
+        with self._sock_lock:  # the IO thread reads worker states under it
+            failed = [w for w in self.workers if w.state == "failed"]
+            for w in failed:
+                w.crashes, w.restart_at = 0, None
+                w.restarts += 1
+                self._spawn(w)
+        if not self.wait_ready(timeout_s):
+            down = [w.rank for w in self.workers if not w.ready]
+            raise TimeoutError(f"ranks {down} did not come back within {timeout_s:.0f}s; "
+                               f"see the logs in {self.log_dir}")
+        self._healthy = True
+        if failed:
+            logger.warning("coordinator: ranks %s restarted on request",
+                           [w.rank for w in failed])
+        return {"changed": bool(failed), "restarted": [w.rank for w in failed]}
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every rank is ready again (e.g. after a restart)."""
@@ -607,6 +663,15 @@ class WorkerTransfer(Transfer):
                     return False
                 self._ready_cv.wait(min(left, 0.1))
         return True
+
+
+def _runtime_config(cfg: CacheConfig, op: str, args: dict[str, Any]) -> CacheConfig:
+    """``cfg`` after the runtime change ``op`` (one of RUNTIME_OPS)."""
+    if op == "update_weights":
+        return cfg.replace(weight_version=str(args.get("version", "")))
+    if op == "attach_storage":
+        return cfg.replace(storage_backend=args.get("backend"), storage_url=args.get("url", ""))
+    return cfg.replace(storage_backend=None)
 
 
 def _time_left(deadline: float | None) -> float:

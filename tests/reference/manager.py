@@ -230,6 +230,8 @@ class CacheManager(EvictionMixin, FetchMixin):
             req = _Request(request_id, extra_key, self._hashes(
                 self._ns, token_ids, bs, extra_key, self.tree.memo_root), n)
             matched, n_gpu, unlisted, gpu_ids = self._match_ref(req.hashes, (n - 1) // bs)
+            if self._paused and len(matched) > n_gpu:  # a swap-in would wait for resume
+                unlisted = self._unmatch_cpu(matched, n_gpu, unlisted)
             need = -(-(n + reserve_tokens) // bs) - n_gpu
             avail = self.gpu_pool.num_free + self._n_gpu_idle
             if need > avail:
@@ -278,6 +280,19 @@ class CacheManager(EvictionMixin, FetchMixin):
             for n, key in pairs:
                 setattr(n, lru.slot, key)
                 lru.size += 1
+
+    def _unmatch_cpu(self, matched: list[Node], n_gpu: int, unlisted: tuple) -> tuple:
+        """While paused, serve the CPU part of a match as a miss (the request
+        recomputes it): undo ``_match_ref`` for ``matched[n_gpu:]`` exactly as
+        ``_undo_match_ref`` does, and return ``unlisted`` without those nodes."""
+        for n in matched[n_gpu:]:
+            n.ref -= 1
+        lru = self.tree.cpu_lru
+        for n, key in unlisted[1]:
+            setattr(n, lru.slot, key)
+            lru.size += 1
+        del matched[n_gpu:]
+        return unlisted[0], []
 
     def _finish_allocate(self, req: _Request, matched: list[Node], n_gpu: int,
                          blocks: list[int]) -> Allocation:

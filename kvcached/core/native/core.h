@@ -176,7 +176,8 @@ int pool_check_free(pool_t *p, const int32_t *ids, int32_t n); /* index of a bad
 /* ops.c: the transitions; see ops.c for each. -1: out of memory (Python
  * raises MemoryError), -2: a bad argument described by *err. */
 enum { EVICT_DONE = 0, EVICT_FLUSH = 1, EVICT_EMPTY = 2 };
-int core_match(core_t *c, request_t *r, int32_t limit, int32_t *n_gpu, int32_t *gpu_ids);
+int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_gpu,
+               int32_t *gpu_ids);
 int core_undo_match(core_t *c, request_t *r);
 void core_unref_path(core_t *c, request_t *r);
 int core_evict(core_t *c, int32_t count, int swap, int32_t *freed);

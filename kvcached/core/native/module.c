@@ -517,10 +517,12 @@ static PyObject *Core_extend_hashes(PyObject *self, PyObject *const *args, Py_ss
 
 static PyObject *Core_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int32_t limit, n_gpu;
+    int with_cpu = 1;
     request_t *r;
-    if (nargs != 2 || (r = request_arg(self, args[0])) == NULL ||
-        as_i32(args[1], "limit", &limit) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "match(req, limit)");
+    if (nargs < 2 || nargs > 3 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "limit", &limit) < 0 ||
+        (nargs == 3 && (with_cpu = PyObject_IsTrue(args[2])) < 0)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "match(req, limit, with_cpu=True)");
         return NULL;
     }
     if (r->n_path) {
@@ -529,7 +531,7 @@ static PyObject *Core_match(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     int32_t room = limit < r->n_hashes ? limit : r->n_hashes;
     int32_t *gpu_ids = malloc(sizeof(int32_t) * (size_t)(room > 0 ? room : 1));
-    if (gpu_ids == NULL || core_match(CORE(self), r, limit < 0 ? 0 : limit, &n_gpu, gpu_ids) < 0) {
+    if (gpu_ids == NULL || core_match(CORE(self), r, limit < 0 ? 0 : limit, with_cpu, &n_gpu, gpu_ids) < 0) {
         free(gpu_ids);
         return PyErr_NoMemory();
     }
@@ -1223,7 +1225,8 @@ static PyGetSetDef core_getset[] = {
 static PyMethodDef core_methods[] = {
     FAST(request, "request(namespace, tokens, extra) -> Request: hash the full blocks (memo walk)"),
     FAST(extend_hashes, "extend_hashes(req, tokens, full): hash blocks up to full (no memo walk)"),
-    FAST(match, "match(req, limit) -> (n_gpu, n_matched, gpu_ids): reference the cached prefix"),
+    FAST(match, "match(req, limit, with_cpu=True) -> (n_gpu, n_matched, gpu_ids): reference "
+                "the cached prefix (GPU hits, then CPU hits unless with_cpu is false)"),
     {"undo_match", Core_undo_match, METH_O, "undo_match(req): exactly undo match()"},
     {"unref_path", Core_unref_path, METH_O, "unref_path(req): the request is done with its path"},
     {"tick", Core_tick, METH_NOARGS, "tick(): advance the logical clock"},

@@ -381,8 +381,10 @@ static inline int32_t walked_child(const core_t *c, const request_t *r, int32_t 
  * nodes the hash walk found are checked, not looked up again. Fills
  * gpu_ids with the GPU hits' block ids. At most the deepest GPU and the
  * deepest CPU node can be leaves (every other one has a child on the
- * path): their heap keys are kept for core_undo_match. */
-int core_match(core_t *c, request_t *r, int32_t limit, int32_t *n_gpu, int32_t *gpu_ids) {
+ * path): their heap keys are kept for core_undo_match. Without with_cpu
+ * (paused: a swap-in would wait for resume) only GPU hits are taken. */
+int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_gpu,
+               int32_t *gpu_ids) {
     if (limit > r->n_hashes) limit = r->n_hashes;
     if (r->path_cap < limit) {
         int32_t *grown = realloc(r->path, sizeof(int32_t) * (size_t)(limit > 0 ? limit : 1));
@@ -411,7 +413,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int32_t *n_gpu, int32_t *
         node = ch;
     }
     *n_gpu = k;
-    for (; k < limit; k++) {
+    for (; with_cpu && k < limit; k++) {
         int32_t ch = walked_child(c, r, node, k);
         if (ch == NIL || N(c, ch)->state != S_CPU) break;
         node_t *n = N(c, ch);

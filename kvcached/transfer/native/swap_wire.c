@@ -18,15 +18,16 @@
  *
  * Task frames taken: a msgpack map of the seven Task keys, each once, in any
  * order; v == version; kind "task"; task_kind swap_out, swap_in or noop;
- * task_id an int64; src and dst equal-length arrays of at most FAST_MAX_IDS
+ * task_id an int64 >= 0; src and dst equal-length arrays of at most FAST_MAX_IDS
  * ints in [0, bound); args an empty map; nothing after the map; every size
  * within the limits (frame, strings, maps, arrays) as msgpack-python checks
  * them. The Done sent back is byte-identical to protocol.encode_done(task_id,
  * rank, n, elapsed_s, {"bytes": n * bytes_per_block, "finished": monotonic}).
  *
- * Done frames taken: the nine Done keys, each once; ints within int64, a
- * bool ok, a float elapsed_s, an error string and result keys that are ASCII
- * and at most max_str / 4 long, result values ints, floats or bools.
+ * Done frames taken: the nine Done keys, each once; task_id and blocks_done
+ * int64s >= 0, rank in 0..MAX_RANK, a bool ok, a float elapsed_s in
+ * [0, MAX_SECONDS], an error string and result keys that are ASCII and at
+ * most max_str / 4 long, result values int64s, finite floats or bools.
  *
  * The copy is the CPU copy engine's kvc_cpu_engine_copy (kvcached/copy/native/cpu_copy.c),
  * reached through the engine struct and function pointer that
@@ -51,12 +52,17 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 
 #define FAST_MAX_IDS 64 /* longer id lists take the Python path */
 #define DONE_MAX_BYTES 192
+/* protocol.MAX_RANK and protocol.MAX_SECONDS: the ranges of a Done's rank and
+ * elapsed_s (the tests compare this reader with protocol.done_fields). */
+#define MAX_RANK 65535
+#define MAX_SECONDS 1e6
 
 enum { KIND_SWAP_OUT, KIND_SWAP_IN, KIND_NOOP };
 
@@ -253,7 +259,7 @@ static int parse_task_frame(PyObject *raw, const limits_t *lim, task_t *t) {
         switch (read_key(&r, keys, N_KEYS, &seen)) {
         case K_V: good = read_int(&r, &v) && v == lim->version; break;
         case K_KIND: good = read_str(&r, &s, &len) && str_is(s, len, "task"); break;
-        case K_ID: good = read_int(&r, &t->task_id); break;
+        case K_ID: good = read_int(&r, &t->task_id) && t->task_id >= 0; break;
         case K_TASK_KIND:
             good = read_str(&r, &s, &len);
             t->kind = !good ? -1
@@ -358,7 +364,8 @@ static PyObject *read_plain(reader *r) {
         return Py_NewRef(c == 0xc3 ? Py_True : Py_False);
     }
     double x;
-    if (c == 0xca || c == 0xcb) return read_float(r, &x) ? PyFloat_FromDouble(x) : NULL;
+    if (c == 0xca || c == 0xcb)
+        return read_float(r, &x) && isfinite(x) ? PyFloat_FromDouble(x) : NULL;
     int64_t v;
     return read_int(r, &v) ? PyLong_FromLongLong(v) : NULL;
 }
@@ -406,12 +413,14 @@ static PyObject *parse_done_frame(PyObject *raw, const limits_t *lim) {
         switch (read_key(&r, keys, N_KEYS, &seen)) {
         case K_V: good = read_int(&r, &v) && v == lim->version; break;
         case K_KIND: good = read_str(&r, &s, &len) && str_is(s, len, "done"); break;
-        case K_ID: good = read_int(&r, &task_id); break;
-        case K_RANK: good = read_int(&r, &rank); break;
+        case K_ID: good = read_int(&r, &task_id) && task_id >= 0; break;
+        case K_RANK: good = read_int(&r, &rank) && rank >= 0 && rank <= MAX_RANK; break;
         case K_OK: good = read_bool(&r, &ok); break;
         case K_ERROR: good = read_ascii(&r, &error, &error_len); break;
-        case K_BLOCKS: good = read_int(&r, &blocks); break;
-        case K_ELAPSED: good = read_float(&r, &elapsed); break;
+        case K_BLOCKS: good = read_int(&r, &blocks) && blocks >= 0; break;
+        case K_ELAPSED: /* NaN fails both comparisons */
+            good = read_float(&r, &elapsed) && elapsed >= 0 && elapsed <= MAX_SECONDS;
+            break;
         case K_RESULT: good = (result = read_result(&r)) != NULL; break;
         default: good = 0;
         }

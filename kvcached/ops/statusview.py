@@ -1,0 +1,165 @@
+"""The text ``kvcached status`` prints for a ``CacheManager.status()`` dict.
+
+Every column and counter that is not self-explanatory is explained under its
+table. Imports nothing heavy (the control client uses it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# What each storage counter of the manager (stats.storage) means.
+STORAGE_COUNTERS = {
+    "stored": "blocks written to storage",
+    "store_failed": "blocks whose write failed (never visible to reads)",
+    "lookup_failed": "storage lookups that failed or timed out (served as misses)",
+    "skip_paused_or_no_cpu_tier": "reads skipped: paused, asleep or no CPU tier",
+    "skip_below_min_load_blocks": "reads skipped: hit shorter than storage_min_load_blocks",
+    "skip_not_in_storage": "reads skipped: storage does not hold the next block",
+    "short_of_cpu_blocks": "loads cut short: no free host block to stage into",
+}
+# Why a rank refused a stored object (storage.objects.MISS_REASONS); each is a miss.
+REJECTION_WORDS = {
+    "checksum_mismatch": "checksum mismatch", "bad_magic": "bad header",
+    "bad_header_crc": "bad header", "bad_version": "other format version",
+    "unknown_checksum": "unknown checksum", "layout_mismatch": "other layout",
+    "wrong_block": "wrong block", "length_mismatch": "short read", "short_read": "short read",
+}
+
+
+def render_status(st: dict) -> str:
+    """The text `kvcached status` prints for a manager.status() dict."""
+    stats = st.get("stats") or {}
+    state = ("ASLEEP" if st.get("asleep") else "DRAINING" if st.get("draining")
+             else "PAUSED" if st.get("paused") else "serving")
+    lines = [f"kvcached: {state}   run_dir {st.get('run_dir', '?')}   "
+             f"({st.get('transfer_mode', '?')}, tp={st.get('tp_size', '?')}, "
+             f"weights {st.get('weight_version', '?')}, "
+             f"cpu tier {'on' if st.get('cpu_tier', True) else 'OFF'})",
+             f"logs: {st.get('log_dir', '?')}", ""]
+    coord = st.get("transfer") or {}
+    if coord:
+        lines += [f"coordinator: {coord.get('held', 0)} tasks held, "
+                  f"{coord.get('inflight', 0)} in flight, "
+                  f"{'healthy' if coord.get('healthy', True) else _unhealthy()}"]
+    workers = st.get("workers") or stats.get("workers") or []
+    lines += _workers_table(workers)
+    lines += _tiers_table(stats.get("tiers") or {})
+    lines += _hits_lines(stats)
+    lines += _transfers_table(stats.get("transfers") or {})
+    lines += _storage_lines(st.get("storage") or stats.get("storage") or {},
+                            storage_health(st))
+    if stats.get("evictions"):
+        lines.append("evictions (blocks): " + pairs(stats["evictions"]))
+    return "\n".join(lines)
+
+
+def _unhealthy() -> str:
+    return "UNHEALTHY (CPU tier off; `kvcached ctl restart-workers` brings it back)"
+
+
+def pairs(d: dict) -> str:
+    """``{"a": 1, "b": 2}`` as ``a 1, b 2`` (sorted by key)."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
+
+
+def _table(header: list[str], rows: list[list], indent: str = "  ") -> list[str]:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+
+
+def _workers_table(workers: list[dict]) -> list[str]:
+    if not workers:
+        return ["workers: none (in-process transfer)", ""]
+    rows = []
+    for w in workers:
+        queues = w.get("queues") or {}
+        rows.append([w.get("rank", "?"), w.get("pid", "?"), w.get("state", "?"),
+                     f"{w.get('last_seen_s', 0):.1f}s ago",
+                     "/".join(str(queues.get(k, 0)) for k in ("out", "in", "ctl")),
+                     w.get("restarts", 0), w.get("done", "-"), w.get("fast", "-"),
+                     w.get("failed", "-"), w.get("lost_reason", "")])
+    return (["workers:"]
+            + _table(["rank", "pid", "state", "heartbeat", "queues out/in/ctl", "restarts",
+                      "done", "fast", "failed", "lost reason"], rows)
+            + ["  queues: tasks waiting or running per lane; restarts: since start; "
+               "done/failed: tasks this",
+               "  process ran; fast: of those done, the ones the native fast path served "
+               "(decode, copy, answer in one call)", ""])
+
+
+def _tiers_table(tiers: dict) -> list[str]:
+    rows = [[name, t.get("total", "?"), t.get("used", "?"), t.get("free", "?"),
+             t.get("cached", "?")] for name, t in tiers.items() if isinstance(t, dict)]
+    return (["tiers (blocks):"] + _table(["tier", "total", "used", "free", "cached"], rows)
+            + ["  cached: held by the cache tree; the rest of used: running requests' "
+               "own blocks", ""])
+
+
+def _hits_lines(stats: dict) -> list[str]:
+    prompt = stats.get("prompt_tokens", 0) or 0
+    hits = stats.get("hit_tokens") or {}
+    rates = "  ".join(f"{t} {100 * n / prompt:.1f}%" if prompt else f"{t} -"
+                      for t, n in hits.items())
+    total = f"{100 * sum(hits.values()) / prompt:.1f}%" if prompt else "-"
+    return [f"hit rate: {total} of {prompt} prompt tokens in {stats.get('requests', 0)} "
+            f"requests ({stats.get('running', 0)} running)   by tier: {rates or '-'}", ""]
+
+
+def _transfers_table(transfers: dict) -> list[str]:
+    if not transfers:
+        return ["transfers: none yet", ""]
+    rows = [[kind, t.get("submitted", 0), t.get("done", 0), t.get("failed", 0),
+             t.get("blocks", 0), human_bytes(t.get("bytes", 0)), f"{t.get('p50_ms', 0):.2f}",
+             f"{t.get('p99_ms', 0):.2f}"] for kind, t in sorted(transfers.items())]
+    return ["transfers:"] + _table(["kind", "submitted", "done", "failed", "blocks", "moved",
+                                    "p50 ms", "p99 ms"], rows) + [""]
+
+
+def storage_health(st: dict) -> list[tuple[Any, dict]]:
+    """``(rank, health)`` of every rank with storage: from the workers' heartbeats,
+    or, with in-process transfer, from the transfer's own report."""
+    workers = st.get("workers") or (st.get("stats") or {}).get("workers") or []
+    found = [(w.get("rank", "?"), w["storage"]) for w in workers if w.get("storage")]
+    ranks = (st.get("transfer") or {}).get("storage_ranks") or []
+    return found + [(h.get("rank", "?"), h) for h in ranks if isinstance(h, dict)]
+
+
+def _storage_lines(counts: dict, health: list[tuple[Any, dict]]) -> list[str]:
+    """The manager's storage counters, explained, then each rank's storage health."""
+    if not counts and not health:
+        return ["storage: no activity (or off)"]
+    lines = ["storage:"]
+    rows = [[k, v, STORAGE_COUNTERS.get(k, "")] for k, v in sorted(counts.items())]
+    if rows:
+        lines += _table(["counter", "count", "meaning"], rows)
+    for rank, h in health:
+        lines.append(f"  rank {rank}: {_health_line(h)}")
+    return lines + [""]
+
+
+def _health_line(h: dict[str, Any]) -> str:
+    used, cap = h.get("used_bytes"), h.get("max_bytes")
+    space = (f"{human_bytes(used)} used" + (f" of {human_bytes(cap)} cap" if cap else ", no cap")
+             if used is not None else f"{h.get('kind', '?')} backend")
+    rejected = h.get("rejected") or {}
+    words: dict[str, int] = {}
+    for reason, n in rejected.items():
+        word = REJECTION_WORDS.get(reason, reason)
+        words[word] = words.get(word, 0) + n
+    rej = f"rejected {sum(rejected.values())} ({pairs(words)})" if rejected else "rejected 0"
+    extra = [f"{k} {h[k]}" for k in ("errors", "timeouts") if h.get(k)]
+    if h.get("breaker") not in (None, "", "closed"):
+        extra.append(f"breaker {h['breaker']}")
+    return ", ".join([space, f"loaded {h.get('loaded', 0)}", f"stored {h.get('stored', 0)}",
+                      rej, *extra])
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as B / KiB / MiB / GiB / TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
