@@ -75,7 +75,9 @@ class Pair:
             mgr.close()
 
 
-BASES = [[1], [1, 2], [3, 1, 2], [2, 2, 3, 1], [3]]
+# single-block bases make the root wide (more than 8 children): its children
+# move to a table and back as they come and go
+BASES = [[1], [1, 2], [3, 1, 2], [2, 2, 3, 1], [3]] + [[k] for k in range(10, 24)]
 
 
 def prompt(rng: random.Random) -> list[int]:

@@ -203,7 +203,7 @@ class EvictionMixin:
         copies below it are unreachable now (a match stops at a STORAGE node),
         so they go too, deepest first (a parent after its children)."""
         below = [n for n in _subtree(node) if n is not node and n.cpu >= 0]
-        for n in sorted(below, key=lambda n: -n.depth):
+        for n in sorted(below, key=deepest_first):
             self._drop_cpu(n)
 
     def _remove(self, node: Node) -> None:
@@ -213,7 +213,7 @@ class EvictionMixin:
             self.tree.remove(node)
             return
         cpus = []
-        for n in _subtree(node):
+        for n in sorted(_subtree(node), key=deepest_first):
             if n.cpu >= 0:
                 cpus.append(n.cpu)
                 n.cpu = -1
@@ -262,15 +262,14 @@ class EvictionMixin:
 
     def _drop_gpu_tier(self) -> None:
         """Forget every GPU copy (the planes may be freed while asleep)."""
-        for n in sorted((n for n in self.tree.walk() if n.state is GPU),
-                        key=lambda n: -n.depth):
+        for n in sorted((n for n in self.tree.walk() if n.state is GPU), key=deepest_first):
             if n.cpu >= 0:
                 self._release_gpu(n, CPU)
             else:
                 self._drop_gpu(n)
 
     def _drop_cpu_tier(self) -> None:
-        for n in sorted((n for n in self.tree.walk() if n.cpu >= 0), key=lambda n: -n.depth):
+        for n in sorted((n for n in self.tree.walk() if n.cpu >= 0), key=deepest_first):
             if n.cpu >= 0:
                 self._drop_cpu(n)
 
@@ -390,6 +389,13 @@ def _new_gpu_leaf(parent: Node) -> bool:
     leaf (``gpu_evictable``, knowing it holds a GPU block; never the root)."""
     return not (parent.n_gpu_children or parent.ref or parent.busy) \
         and parent.state is GPU and parent.parent is not None
+
+
+def deepest_first(n: Node) -> tuple[int, bytes]:
+    """The order whole-subtree and whole-tier drops take nodes in: deepest first
+    (a parent after its children), then by hash (any fixed order of the
+    same-depth nodes would do; the native core uses this one)."""
+    return -n.depth, n.hash
 
 
 def _subtree(node: Node):

@@ -31,7 +31,7 @@ from kvcached.errors import CacheAsleep, NoFreeBlocks
 from kvcached.memory.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
 from kvcached.types import Allocation, CacheStats, HitInfo
-from reference.eviction import EvictionMixin, cpu_evictable, gpu_evictable
+from reference.eviction import EvictionMixin, cpu_evictable, deepest_first, gpu_evictable
 from reference.fetch import FetchMixin
 from reference.hashing import block_hashes, namespace_hash
 from reference.pool import BlockPool
@@ -633,7 +633,7 @@ class CacheManager(EvictionMixin, FetchMixin):
             return {"changed": True, "ranks": res.get("ranks", {})}
 
     def _forget_storage(self) -> None:
-        for n in sorted(self.tree.walk(), key=lambda n: -n.depth):
+        for n in sorted(self.tree.walk(), key=deepest_first):
             n.in_storage = False
             if n.state is STORAGE and not n.n_children:
                 self.tree.remove(n)

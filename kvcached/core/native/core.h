@@ -1,6 +1,5 @@
-/* The cache core's data: nodes of the prefix tree, the two block pools, the
- * two tiers' evictable-leaf heaps and the index that finds a node by its
- * block hash. Plain C integers throughout; no
+/* The cache core's data: nodes of the prefix tree, the two block pools and
+ * the two tiers' evictable-leaf heaps. Plain C integers throughout; no
  * Python object per node, so the garbage collector never sees the tree.
  *
  * A node is an index into one growable array (`core.nodes`): never keep a
@@ -8,7 +7,7 @@
  * Index 0 is the root, a sentinel that "holds" every tier and is never
  * evicted.
  *
- * Files: table.c (nodes, the hash index), pool.c, lru.c (heaps), hashing.c
+ * Files: table.c (nodes, children by hash, record memory), pool.c, lru.c (heaps), hashing.c
  * (chained hashes and the memo), ops.c (every state transition), module.c (the
  * Python types). The transitions follow tests/reference/manager.py line by
  * line; the differential tests hold the two to the same results. */
@@ -27,33 +26,8 @@ enum { S_GPU = 0, S_SWAP_OUT = 1, S_CPU = 2, S_SWAP_IN = 3, S_STORAGE = 4 };
 /* The two local tiers, as indexes of core.pools / core.lru / node.heap_pos. */
 enum { T_GPU = 0, T_CPU = 1 };
 
-typedef struct {
-    uint8_t hash[HASH_LEN];
-    int32_t parent;
-    /* children in insertion order (a doubly linked sibling list): subtree
-     * walks visit them in the order the reference's dicts do */
-    int32_t first_child, last_child, next_sib, prev_sib;
-    int32_t gpu, cpu;  /* block ids, NIL when the node holds no copy there */
-    int32_t ref;       /* live requests whose path holds the node */
-    int32_t busy;      /* write-through tasks reading its blocks */
-    int32_t depth;
-    int32_t n_children;
-    int32_t n_gpu_children; /* children in GPU or SWAP_IN */
-    int32_t n_cpu_children; /* children holding a CPU block */
-    int32_t heap_pos[2];    /* place in each tier's leaf heap, NIL when not listed */
-    uint8_t state;
-    uint8_t in_storage;
-    uint8_t live;           /* 0: on the free list of node slots */
-    uint64_t last_access;
-    /* hash memo: the exact input this node's hash was computed from, less
-     * the parent's hash (see hashing.h); NULL when it has none */
-    uint8_t *record;
-    uint32_t record_len;
-} node_t;
-
-/* The nodes by block hash: open addressing, linear probing, deletion by
- * backward shift (no tombstones). A slot keeps 32 bits of the hash beside
- * the node, so probing and shifting read a node only on a likely match. */
+/* A wide node's children by hash (table.c): 32 bits of the child's hash
+ * beside the child, so probing reads a child only on a likely hit. */
 typedef struct {
     uint32_t key;
     int32_t node; /* NIL: empty */
@@ -63,7 +37,46 @@ typedef struct {
     slot_t *slots;
     uint32_t mask;
     uint32_t count;
-} index_t;
+} kids_t;
+
+/* Two cache lines, aligned: the first holds what eviction, matching and
+ * freeing read and write (an evicted node then costs one miss, not two or
+ * three), the second what hashing and the tree's links by hash read. */
+typedef struct __attribute__((aligned(64))) {
+    int32_t parent;
+    int32_t gpu, cpu;  /* block ids, NIL when the node holds no copy there */
+    int32_t ref;       /* live requests whose path holds the node */
+    int32_t depth;
+    int32_t n_children;
+    int32_t n_gpu_children; /* children in GPU or SWAP_IN */
+    int32_t n_cpu_children; /* children holding a CPU block */
+    int32_t heap_pos[2];    /* place in each tier's leaf heap, NIL when not listed */
+    /* children: a doubly linked sibling list, or (a wide node) kids */
+    int32_t first_child, next_sib;
+    uint64_t last_access;
+    int32_t prev_sib;
+    uint16_t busy;     /* write-through tasks reading its blocks */
+    uint8_t state;
+    uint8_t in_storage;
+    /* --- second line */
+    uint8_t hash[HASH_LEN];
+    int32_t last_child;
+    uint8_t live;      /* 0: on the free list of node slots */
+    /* hash memo: the exact input this node's hash was computed from, less
+     * the parent's hash (see hashing.h); NULL when it has none */
+    uint32_t record_len;
+    uint8_t *record;
+    kids_t *kids;  /* its children by hash, once it has more than a few */
+} node_t;
+
+_Static_assert(sizeof(node_t) == 128, "node_t is two cache lines");
+
+/* Memo records by size class (table.c): free lists over 64 KiB chunks. */
+typedef struct {
+    void *free[6];
+    void **chunks;
+    size_t n_chunks, cap_chunks;
+} recpool_t;
 
 /* Free block ids of one tier: a ring in FIFO order (allocation takes the
  * oldest freed id; a rollback puts ids back at the head) and a bitmap that
@@ -72,7 +85,7 @@ typedef struct {
     int32_t num_blocks;
     int32_t *ring;
     int32_t head, count;
-    uint8_t *is_free;
+    uint64_t *free_bits; /* one bit per block: 1 = free */
 } pool_t;
 
 /* One heap entry: the key (last_access, then inverted depth and insertion
@@ -107,7 +120,7 @@ typedef struct {
     int32_t *free_nodes;    /* a stack of free slots (room for cap) */
     int32_t n_free_nodes;
     int32_t num_nodes;      /* live nodes, the root excluded */
-    index_t by_hash;
+    recpool_t records;
     pool_t pools[2];
     leafheap_t lru[2];
     uint64_t clock;
@@ -161,9 +174,19 @@ void core_free(core_t *c);
 int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]); /* NIL: no memory */
 void node_release(core_t *c, int32_t i);    /* unlink from parent and indexes, free the slot */
 int32_t child_by_hash(const core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]);
-int32_t find_by_hash(const core_t *c, const uint8_t hash[HASH_LEN]);
-int index_add(core_t *c, int32_t node);   /* -1: no memory */
-void index_remove(core_t *c, int32_t node);
+int32_t find_by_hash(const core_t *c, const uint8_t hash[HASH_LEN]); /* a scan: tests */
+void *rec_alloc(core_t *c, uint32_t len);               /* NULL: no memory */
+/* The children of a node (list or table): for (kid_first(c, p, &it);
+ * it.node != NIL; kid_next(c, &it)). Nothing may be linked or unlinked
+ * under p meanwhile. */
+typedef struct {
+    const kids_t *t;
+    uint32_t slot;
+    int32_t node;
+} kid_iter;
+void kid_first(const core_t *c, int32_t parent, kid_iter *it);
+void kid_next(const core_t *c, kid_iter *it);
+void rec_free(core_t *c, void *rec, uint32_t len);
 
 /* pool.c */
 int pool_init(pool_t *p, int32_t n);

@@ -1,7 +1,9 @@
-/* The evictable leaves of one tier, least recently used first: a binary
+/* The evictable leaves of one tier, least recently used first: a 4-ary
  * min-heap whose nodes record their position (node.heap_pos[tier]), so
  * listing, unlisting, re-keying and popping are all O(log n) and no stale
- * entry is ever kept. Nothing scans the leaves.
+ * entry is ever kept. Nothing scans the leaves. Four children per entry
+ * halve the levels a pop walks through: at a million cached blocks the lower
+ * levels are cache misses, and they were most of an eviction's cost.
  *
  * Key: (last_access, inverted depth, insertion order), packed as two words:
  * older first; on a tie the deeper node first (a chain's tail goes before
@@ -43,7 +45,7 @@ static inline void place(core_t *c, leafheap_t *h, int32_t pos, heap_entry e) {
 static void sift_up(core_t *c, leafheap_t *h, int32_t pos) {
     heap_entry e = h->a[pos];
     while (pos > 0) {
-        int32_t up = (pos - 1) / 2;
+        int32_t up = (pos - 1) / 4;
         if (!less(&e, &h->a[up])) break;
         place(c, h, pos, h->a[up]);
         pos = up;
@@ -54,9 +56,12 @@ static void sift_up(core_t *c, leafheap_t *h, int32_t pos) {
 static void sift_down(core_t *c, leafheap_t *h, int32_t pos) {
     heap_entry e = h->a[pos];
     for (;;) {
-        int32_t child = 2 * pos + 1;
-        if (child >= h->size) break;
-        if (child + 1 < h->size && less(&h->a[child + 1], &h->a[child])) child++;
+        int32_t first = 4 * pos + 1, child = first;
+        if (first >= h->size) break;
+        int32_t last = first + 3 < h->size - 1 ? first + 3 : h->size - 1;
+        for (int32_t k = first + 1; k <= last; k++) {
+            if (less(&h->a[k], &h->a[child])) child = k;
+        }
         if (!less(&h->a[child], &e)) break;
         place(c, h, pos, h->a[child]);
         pos = child;
@@ -118,7 +123,7 @@ void heap_remove(core_t *c, leafheap_t *h, int32_t node) {
     if (pos == h->size) return;
     heap_entry last = h->a[h->size];
     place(c, h, pos, last);
-    if (pos > 0 && less(&last, &h->a[(pos - 1) / 2])) {
+    if (pos > 0 && less(&last, &h->a[(pos - 1) / 4])) {
         sift_up(c, h, pos);
     } else {
         sift_down(c, h, pos);

@@ -5,10 +5,12 @@
  *            lists and bytes (plans the manager turns into transfer tasks)
  *   Request  one request's block hashes and path (made by Core.request)
  *
- * Public, limited C API only (built as abi3 for CPython >= 3.11): heap
- * types, multi-phase init, per-module state. The caller (the manager) holds
- * one lock around every call, which is also what lets the module run
- * without the GIL on free-threaded builds.
+ * Public, documented C API only (no object internals, no _Py or PyUnstable
+ * calls): heap types, multi-phase init, per-module state. Built per
+ * interpreter rather than as abi3 for one reason, the token read below
+ * (setup.py says why). The caller (the manager) holds one lock around every
+ * call, which is also what lets the module run without the GIL on
+ * free-threaded builds.
  *
  * Tokens are read once per call, as the engine gives them: a list or tuple
  * of ints (PyLong_AsLongLong per item), or any C-contiguous integer buffer
@@ -158,7 +160,15 @@ static inline PyObject *item_at(PyObject *seq, int is_list, Py_ssize_t i) {
 static int read_items(PyObject *seq, int is_list, Py_ssize_t lo, Py_ssize_t hi, int64_t *out) {
     enum { AHEAD = 16 };
     Py_ssize_t n = hi - lo;
+#if !defined(Py_LIMITED_API) && !defined(Py_GIL_DISABLED)
+    /* PyList_GET_ITEM is public API, but not limited API: reading the item
+     * array in place instead of a PyList_GetItem call per token is ~20% of
+     * a resident request (docs/benchmarks.md), hence the per-interpreter build. */
+    PyObject **items = is_list ? &PyList_GET_ITEM(seq, 0) : &PyTuple_GET_ITEM(seq, 0);
+    for (Py_ssize_t k = 0; k < n; k++) out[k] = (int64_t)(intptr_t)items[lo + k];
+#else
     for (Py_ssize_t k = 0; k < n; k++) out[k] = (int64_t)(intptr_t)item_at(seq, is_list, lo + k);
+#endif
     Py_ssize_t k = 0, exact = n;
     for (; k < n; k++) {
         if (k + AHEAD < n) {
@@ -275,9 +285,9 @@ static Py_ssize_t token_count(PyObject *tokens) {
 
 /* ------------------------------------------------------------- requests */
 
-static void request_clear(request_t *r) {
+static void request_clear(core_t *c, request_t *r) {
     if (r->records != NULL) {
-        for (int32_t k = 0; k < r->n_hashes; k++) free(r->records[k]);
+        for (int32_t k = 0; k < r->n_hashes; k++) rec_free(c, r->records[k], r->record_lens[k]);
     }
     free(r->records);
     free(r->record_lens);
@@ -313,8 +323,8 @@ static int request_reserve(request_t *r, int32_t n, int memo) {
 
 /* A new block's memo record, for the node commit will make (no memory: the
  * node will have no memo). */
-static void keep_record(request_t *r, int32_t b, const uint8_t *rec, uint32_t len) {
-    r->records[b] = malloc(len);
+static void keep_record(core_t *c, request_t *r, int32_t b, const uint8_t *rec, uint32_t len) {
+    r->records[b] = rec_alloc(c, len);
     if (r->records[b] == NULL) return;
     memcpy(r->records[b], rec, len);
     r->record_lens[b] = len;
@@ -356,7 +366,7 @@ static int hash_blocks(core_t *c, request_t *r, const int64_t *ids, int32_t stop
             hash_block(parent_hash, r->extra, r->extra_len, blk, bs, out);
             c->blocks_hashed++;
             if (node != NIL) hit = child_by_hash(c, node, out);
-            if (hit == NIL && c->memo) keep_record(r, b, rec, len);
+            if (hit == NIL && c->memo) keep_record(c, r, b, rec, len);
         }
         r->walk[b] = hit;
         node = hit;
@@ -1136,7 +1146,7 @@ static PyObject *pool_ids(const pool_t *p) {
 /* Everything, as plain data, for the invariant checks and the tests (O(n)).
  * nodes: (id, hash, parent, state, gpu, cpu, ref, last_access, depth,
  * in_storage, busy, n_children, n_gpu_children, n_cpu_children, record),
- * root excluded, in the reference's walk order. */
+ * root excluded, in a walk's order. */
 static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
     core_t *c = CORE(self);
     PyObject *nodes = PyList_New(0);
@@ -1147,8 +1157,8 @@ static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
         return PyErr_NoMemory();
     }
     int32_t sp = 0;
-    for (int32_t ch = N(c, ROOT)->first_child; ch != NIL; ch = N(c, ch)->next_sib)
-        stack[sp++] = ch;
+    kid_iter it;
+    for (kid_first(c, ROOT, &it); it.node != NIL; kid_next(c, &it)) stack[sp++] = it.node;
     while (sp > 0) {
         int32_t i = stack[--sp];
         PyObject *t = node_tuple(N(c, i), i);
@@ -1159,9 +1169,9 @@ static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
             return NULL;
         }
         Py_DECREF(t);
-        for (int32_t ch = N(c, i)->first_child; ch != NIL; ch = N(c, ch)->next_sib) {
+        for (kid_first(c, i, &it); it.node != NIL; kid_next(c, &it)) {
             if (sp > c->num_nodes) break; /* a corrupt tree: the check will say so */
-            stack[sp++] = ch;
+            stack[sp++] = it.node;
         }
     }
     free(stack);
@@ -1281,7 +1291,7 @@ static PyType_Spec core_spec = {"kvcached.core._core.Core", sizeof(CoreObject), 
 static void request_dealloc(PyObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     RequestObject *r = (RequestObject *)self;
-    request_clear(&r->r);
+    if (r->core != NULL) request_clear(CORE(r->core), &r->r); /* its records are the core's */
     Py_XDECREF(r->core);
     freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     f(self);

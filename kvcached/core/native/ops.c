@@ -125,9 +125,9 @@ static inline int new_gpu_leaf(const core_t *c, int32_t p) {
 
 /* ------------------------------------------------------------ subtrees */
 
-/* The nodes of the subtree at i (i first), in the order of a stack walk that
- * pushes children in insertion order: the reference's order, which decides
- * the order blocks return to the pools. *out is malloc'd (NULL: no memory). */
+/* The nodes of the subtree at i (i first), in a stack walk's order (callers
+ * that care sort them: sort_deepest_first). *out is malloc'd (NULL: no
+ * memory). */
 static int32_t subtree(core_t *c, int32_t i, int32_t **out) {
     int32_t cap = 64, n = 0, sp = 0;
     int32_t *res = malloc(sizeof(int32_t) * (size_t)cap);
@@ -145,7 +145,9 @@ static int32_t subtree(core_t *c, int32_t i, int32_t **out) {
             stack = s2;
         }
         res[n++] = x;
-        for (int32_t ch = N(c, x)->first_child; ch != NIL; ch = N(c, ch)->next_sib) {
+        kid_iter it;
+        for (kid_first(c, x, &it); it.node != NIL; kid_next(c, &it)) {
+            int32_t ch = it.node;
             if (sp == cap) { /* the stack holds at most n_nodes entries: grow with res */
                 int32_t *s2 = realloc(stack, sizeof(int32_t) * (size_t)cap * 2);
                 int32_t *r2 = s2 ? realloc(res, sizeof(int32_t) * (size_t)cap * 2) : NULL;
@@ -167,37 +169,30 @@ fail:
     return 0;
 }
 
-/* Every node but the root, in the reference's walk order (BlockTree.walk). */
+/* Every node but the root. */
 static int32_t walk_all(core_t *c, int32_t **out) {
     int32_t n = subtree(c, ROOT, out);
     if (*out == NULL || n == 0) return 0;
-    /* BlockTree.walk starts from the root's children popped last-first, which
-     * is subtree(ROOT) less the root */
     memmove(*out, *out + 1, sizeof(int32_t) * (size_t)(n - 1));
     return n - 1;
 }
 
 static const core_t *sort_core;
-static int by_depth_desc(const void *a, const void *b) {
-    const int32_t *x = a, *y = b; /* pairs (node, position): stable on ties */
-    int32_t dx = sort_core->nodes[x[0]].depth, dy = sort_core->nodes[y[0]].depth;
-    if (dx != dy) return dx > dy ? -1 : 1;
-    return x[1] < y[1] ? -1 : x[1] > y[1];
+static int deepest_then_hash(const void *a, const void *b) {
+    const node_t *x = &sort_core->nodes[*(const int32_t *)a];
+    const node_t *y = &sort_core->nodes[*(const int32_t *)b];
+    if (x->depth != y->depth) return x->depth > y->depth ? -1 : 1;
+    return memcmp(x->hash, y->hash, HASH_LEN);
 }
 
-/* Sort nodes deepest first, keeping the given order on ties (Python's stable
- * sorted(key=-depth)). Callers hold the lock, so the static is safe. */
+/* The order whole-subtree and whole-tier drops take nodes in: deepest first
+ * (a parent after its children), then by hash (a fixed order, so the blocks
+ * go back to the pools in an order the reference shares; the children of a
+ * wide node have no order of their own). Callers hold the lock, so the
+ * static is safe. */
 static void sort_deepest_first(core_t *c, int32_t *nodes, int32_t n) {
-    int32_t *pairs = malloc(sizeof(int32_t) * 2 * (size_t)(n ? n : 1));
-    if (pairs == NULL) return; /* unsorted: still every node, in walk order */
-    for (int32_t k = 0; k < n; k++) {
-        pairs[2 * k] = nodes[k];
-        pairs[2 * k + 1] = k;
-    }
     sort_core = c;
-    qsort(pairs, (size_t)n, 2 * sizeof(int32_t), by_depth_desc);
-    for (int32_t k = 0; k < n; k++) nodes[k] = pairs[2 * k];
-    free(pairs);
+    qsort(nodes, (size_t)n, sizeof(int32_t), deepest_then_hash);
 }
 
 /* ------------------------------------------------------------ removing */
@@ -229,6 +224,7 @@ static void remove_node(core_t *c, int32_t i) {
     }
     int32_t *nodes;
     int32_t n = subtree(c, i, &nodes);
+    sort_deepest_first(c, nodes, n);
     int32_t *cpus = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
     int32_t m = 0;
     for (int32_t k = 0; k < n; k++) {
