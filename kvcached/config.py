@@ -59,6 +59,7 @@ class CacheConfig:
     head_dim: int = 64
     dtype: str = "float32"
     mla: bool = False
+    fused_kv: bool = False
     tp_size: int = 1
     block_size: int = 16
     num_gpu_blocks: int = 512
@@ -66,6 +67,7 @@ class CacheConfig:
     device: str = "cpu"
     transfer_mode: str = "workers"
     create_cache: bool = False
+    external_gpu_tier: bool = False
     run_dir: str = ""
     log_dir: str = ""
     spawn_workers: bool = True
@@ -170,6 +172,12 @@ class CacheConfig:
                 "(e.g. model_id = \"meta-llama/Llama-3.1-8B\", and weight_version for "
                 "fine-tunes), so that KV stored for other weights of the same layout is "
                 "never served; or set storage_backend = \"none\"")
+        if self.fused_kv and self.mla:
+            raise ValueError("fused_kv (K and V of a layer in one plane) and mla (K only) "
+                             "exclude each other: set one of them")
+        if self.external_gpu_tier and self.create_cache:
+            raise ValueError("external_gpu_tier: the engine owns the KV planes, so kvcached "
+                             "cannot create them: set create_cache = false")
         if self.check_host_memory and check_host_memory:
             _check_host_memory(self)
 
@@ -179,7 +187,7 @@ class CacheConfig:
         """The per-rank KV plane layout derived from the model settings."""
         return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, block_size=self.block_size,
-                        dtype=self.dtype, mla=self.mla)
+                        dtype=self.dtype, mla=self.mla, fused_kv=self.fused_kv)
 
     @property
     def cpu_tier_enabled(self) -> bool:
@@ -319,7 +327,7 @@ def _check_host_memory(cfg: CacheConfig) -> None:
     """Host pools of every rank (and CPU-backend device planes) must fit in RAM."""
     layout = cfg.layout
     need = cfg.num_cpu_blocks * layout.block_bytes * cfg.tp_size
-    if cfg.device == "cpu":
+    if cfg.device == "cpu" and not cfg.external_gpu_tier:  # an engine's planes exist already
         need += cfg.num_gpu_blocks * layout.block_bytes * cfg.tp_size
     avail = available_host_memory()
     if need > avail:

@@ -59,12 +59,17 @@ class KVLayout:
     block_size: int
     dtype: str
     mla: bool = False
+    fused_kv: bool = False  # K and V of a layer in one plane (vLLM's CPU attention)
 
     @cached_property
     def planes(self) -> tuple[PlaneSpec, ...]:
-        """Planes in contract order: layer 0 K, layer 0 V, [layer 0 scale], layer 1 K, ..."""
+        """Planes in contract order: layer 0 K, layer 0 V, [layer 0 scale], layer 1 K, ...
+        (one ``kv`` plane per layer, twice as wide, with ``fused_kv``)."""
         kv_shape = (self.num_kv_heads, self.block_size, self.head_dim)
-        kinds = ("k",) if self.mla else ("k", "v")
+        if self.fused_kv:
+            kinds, kv_shape = ("kv",), (self.num_kv_heads, self.block_size, 2 * self.head_dim)
+        else:
+            kinds = ("k",) if self.mla else ("k", "v")
         out: list[PlaneSpec] = []
         for layer in range(self.num_layers):
             for kind in kinds:
@@ -105,4 +110,4 @@ class KVLayout:
     def to_dict(self) -> dict:
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "block_size": self.block_size,
-                "dtype": self.dtype, "mla": self.mla}
+                "dtype": self.dtype, "mla": self.mla, "fused_kv": self.fused_kv}

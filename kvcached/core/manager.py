@@ -21,6 +21,7 @@ import shutil
 import threading
 import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcached.config import CacheConfig
@@ -37,7 +38,7 @@ from kvcached.memory.kvshare import allocate_kv_cache, rank_device, release_kv_c
 from kvcached.memory.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.memory.shm import cleanup_stale_segments
 from kvcached.ops.logs import setup_process_logging, stop_process_logging
-from kvcached.transfer.base import Transfer
+from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
 from kvcached.transfer.factory import make_transfer
 from kvcached.types import Allocation, CacheStats, HitInfo
 
@@ -47,6 +48,23 @@ _NO_HIT = HitInfo()  # an allocation's hit until it is known (immutable: one ser
 _TIER_NAMES = ("gpu", "cpu", "storage")  # KV event tiers, by the core's numbers
 
 
+@dataclass(slots=True)
+class EngineLoad:
+    """Blocks ``start..stop-1`` of an engine's request on their way into its
+    blocks ``device_ids[start:stop]``: a swap-in from the CPU tier (the blocks
+    up to ``n_cpu``) and a load from storage (``nodes``); ``missing`` are the
+    engine blocks nothing could be planned for (a miss: recompute)."""
+
+    creq: object
+    start: int
+    stop: int
+    device_ids: list[int]
+    n_cpu: int
+    tasks: list[Task] = field(default_factory=list)  # [swap_in], [load to host], [load]
+    nodes: list[int] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+
+
 class CacheManager:
     """Prefix-cache manager (see DESIGN.md §10 for the contract)."""
 
@@ -54,8 +72,10 @@ class CacheManager:
         self.cfg = cfg
         self.block_size = cfg.block_size
         self.run_dir, self._own_run_dir = create_run_dir(cfg.run_dir)
-        self.core = _core.Core(cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.block_size,
-                               memo=cfg.hash_memo)
+        # With an external GPU tier the engine's block ids are its own: no GPU pool.
+        self.core = _core.Core(0 if cfg.external_gpu_tier else cfg.num_gpu_blocks,
+                               cfg.num_cpu_blocks, cfg.block_size, memo=cfg.hash_memo,
+                               external=cfg.external_gpu_tier)
         self._counters = Counters()
         self.planner = Planner(self.core, cfg, self._counters)
         self._ns = namespace_hash(cfg.model_id, cfg.weight_version, cfg.salt)
@@ -535,6 +555,143 @@ class CacheManager:
             raise TimeoutError(f"{op} did not complete on every rank: {res.get('error')} "
                                f"(silent ranks: {res.get('silent_ranks', [])})")
         return res
+
+    # ------------------------------------------- external GPU tier (connectors)
+    # With ``external_gpu_tier`` the engine owns the GPU tier (vLLM's block
+    # pool and prefix cache) and kvcached the CPU tier and storage: a request
+    # is known by the engine's block hashes, loads go into the engine's block
+    # ids and saves come from them (kvcached.integrations.vllm drives this).
+    def engine_request(self, engine_hashes: list[bytes]):
+        """A request whose blocks the engine hashed; the keys fold in this cache's
+        namespace (model, weights, salt)."""
+        self._check_external()
+        with self._lock:
+            return self.core.request_hashes(self._ns, engine_hashes)
+
+    def add_engine_hashes(self, creq, engine_hashes: list[bytes]) -> None:
+        with self._lock:
+            self.core.add_hashes(creq, engine_hashes)
+
+    def engine_lookup(self, creq, limit: int) -> tuple[int, int]:
+        """How many of the request's first ``limit`` blocks the CPU tier holds, and
+        how many storage holds after those (a lookup on every rank). Changes
+        nothing. While paused both are 0: a hit would wait for resume."""
+        with self._lock:
+            self.planner.reap()
+            if self.planner.paused or not self.cpu_enabled:
+                return 0, 0
+            n_cpu = self.core.cpu_prefix(creq, limit)
+            if n_cpu >= limit or not self.planner.storage_usable():
+                return n_cpu, 0
+            if limit - n_cpu < self.cfg.storage_min_load_blocks:
+                return n_cpu, 0
+        return n_cpu, self.planner.lookup(creq.hashes(n_cpu, limit))  # no lock: a round trip
+
+    def engine_load(self, creq, start: int, stop: int, device_ids: list[int]) -> EngineLoad:
+        """Pin the request's cached prefix and plan copying blocks ``start..stop-1``
+        into the engine's ``device_ids`` (the request's whole block table): from
+        the CPU tier, then from storage. Storage blocks before ``start`` (the
+        engine has them, the CPU tier does not) come into host blocks only. The
+        tasks are the caller's to submit; what could not be planned any more
+        is named in ``EngineLoad.missing``."""
+        with self._lock:
+            _, n_cpu, _ = self.core.match(creq, stop)
+            load = EngineLoad(creq, start, stop, device_ids, n_cpu)
+            if n_cpu > start:
+                cpus = self.core.path_blocks(creq, start, n_cpu, CPU)
+                load.tasks.append(Task("swap_in", cpus, device_ids[start:n_cpu]))
+            if stop > n_cpu:
+                nodes, cpus, _ = self.core.plan_load(creq, n_cpu, stop - n_cpu, [])
+                load.nodes = nodes
+                keys = [h.hex() for h in creq.hashes(n_cpu, n_cpu + len(nodes))]
+                split = min(max(start - n_cpu, 0), len(nodes))  # host only, then to the engine
+                if split:
+                    load.tasks.append(Task("load", [], cpus[:split], {"keys": keys[:split]}))
+                if len(nodes) > split:
+                    load.tasks.append(Task("load", [], cpus[split:], {
+                        "keys": keys[split:], "device_ids": device_ids[n_cpu + split:
+                                                                       n_cpu + len(nodes)]}))
+            load.missing = device_ids[max(start, creq.n_path):stop]
+            return load
+
+    def engine_finish_load(self, load: EngineLoad, results: list[TaskResult]) -> list[int]:
+        """Land what a load brought (``results``: its tasks', in order); returns the
+        engine block ids that did not get their KV (the engine recomputes them)."""
+        with self._lock:
+            bad = set(load.missing)
+            res = iter(results)
+            if load.n_cpu > load.start and not next(res).ok:  # the swap-in
+                bad.update(load.device_ids[load.start:load.n_cpu])
+            if load.nodes:
+                ok, ran = 0, True  # blocks that arrived in order; whether the short task ran
+                for task in load.tasks[1 if load.n_cpu > load.start else 0:]:
+                    r = next(res)
+                    got = min(len(task.dst), int(r.result.get("prefix", 0))) if r.ok else 0
+                    ok += got
+                    if got < len(task.dst):  # nothing may hang under a gap
+                        ran = r.ok
+                        break
+                self.core.finish_fetch(load.creq, load.n_cpu, load.nodes, ok, True, ran)
+                first = max(load.n_cpu + ok, load.start)
+                bad.update(load.device_ids[first:load.n_cpu + len(load.nodes)])
+            self._publish_events()
+            return sorted(bad)
+
+    def engine_save(self, saves: list[tuple[object, int, list[int]]]) -> int:
+        """Save the engine's computed blocks into the CPU tier: for each (request,
+        blocks, device_ids), blocks ``0..blocks-1`` that the CPU tier lacks are
+        copied from the engine's blocks in one swap_out task, waited for (the
+        engine may reuse a freed block from its next forward on); then
+        written through to storage. Returns how many blocks were copied."""
+        with self._lock:
+            self.planner.reap()
+            if self.planner.paused or not self.cpu_enabled:
+                return 0
+            plans, src, dst = [], [], []
+            for creq, blocks, device_ids in saves:
+                nodes, cpus, positions = self.core.ext_save(creq, blocks)
+                if nodes:
+                    plans.append((creq, nodes, positions))
+                    src += [device_ids[k] for k in positions]
+                    dst += cpus
+            if not plans:
+                return 0
+            ok = True
+            try:
+                h = self.planner.submit(Task("swap_out", src, dst))
+                ok = self.planner.await_all([h], self.cfg.task_timeout_s + 5.0)[0].ok
+            except TimeoutError:
+                ok = False
+            for creq, nodes, positions in plans:
+                self.core.ext_finish_save(creq, nodes, positions, ok)
+            self._counters.storage["saves_failed" if not ok else "saves"] += len(src)
+            if ok and self.planner.storage_usable():
+                self.planner.store_engine_blocks([creq for creq, _, _ in plans])
+            self._publish_events()
+            return len(src) if ok else 0
+
+    def engine_release(self, creq) -> None:
+        """The engine is done with the request (finished, or preempted: it starts over)."""
+        with self._lock:
+            self.core.tick()
+            self.core.unref_path(creq)
+            self._publish_events()
+
+    def count_engine_request(self, prompt_tokens: int, cpu_tokens: int,
+                             storage_tokens: int) -> None:
+        """Count a request the engine admitted, with the tokens each tier gave it."""
+        with self._lock:
+            self._counters.count_request(prompt_tokens, HitInfo(0, cpu_tokens, storage_tokens))
+
+    def submit(self, task: Task) -> TaskHandle:
+        """Submit a task (counted in the stats); its completion is the caller's."""
+        with self._lock:
+            return self.planner.submit(task)
+
+    def _check_external(self) -> None:
+        if not self.cfg.external_gpu_tier:
+            raise RuntimeError("engine_* calls need external_gpu_tier = true (the engine "
+                               "owns the GPU tier); this manager allocates GPU blocks itself")
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> CacheStats:

@@ -197,7 +197,7 @@ class Planner:
             skipped["skip_below_min_load_blocks"] += 1
             return 0
         hashes = req.core.hashes(start, start + want)
-        n = self._lookup(hashes)
+        n = self.lookup(hashes)
         if n < max(1, self.cfg.storage_min_load_blocks):
             skipped["skip_not_in_storage"] += 1
             return 0
@@ -213,7 +213,7 @@ class Planner:
         self._track("load", req, start, nodes, Task("load", [], cpus, args))
         return len(nodes)
 
-    def _lookup(self, hashes: list[bytes]) -> int:
+    def lookup(self, hashes: list[bytes]) -> int:
         """Blocks of ``hashes`` (a prefix) that every rank has in storage; 0 on trouble."""
         h = self.submit(Task("lookup", [], [], {"keys": [x.hex() for x in hashes]}))
         if not h.wait(self.cfg.storage_load_timeout_s) or not h.result.ok:
@@ -261,6 +261,18 @@ class Planner:
             self._track("store", None, 0, nodes,
                         Task("store", cpus, [], {"keys": [h.hex() for h in hashes],
                                                  "device_ids": gpus}))
+
+    def store_engine_blocks(self, creqs: list) -> None:
+        """Write through the CPU copies of these requests' paths that storage lacks,
+        straight from their host blocks (an external GPU tier: one store task)."""
+        nodes, cpus, keys = [], [], []
+        for creq in creqs:
+            n, c, hashes = self.core.ext_plan_store(creq)
+            nodes += n
+            cpus += c
+            keys += [h.hex() for h in hashes]
+        if nodes:
+            self._track("store", None, 0, nodes, Task("store", cpus, [], {"keys": keys}))
 
     def _finish_store(self, p: Pending, res: TaskResult) -> None:
         stored = [bool(s) for s in res.result.get("stored", [])] if res.ok else []

@@ -37,6 +37,7 @@ SHM_DIR = Path(os.environ.get("KVCACHED_SHM_DIR", "/dev/shm"))
 PREFIX = "kvcached-"
 _NAME_RE = re.compile(r"^kvcached-(\d+)-")
 _KIND_RE = re.compile(r"^[A-Za-z0-9_]+$")
+_PROC_FD_RE = re.compile(r"^/proc/\d+/fd/\d+$")
 
 
 @dataclass
@@ -46,7 +47,7 @@ class _Segment:
     name: str
     base: int  # address of the mapping in this process
     nbytes: int
-    tensor: torch.Tensor
+    tensor: object  # keeps the mapping alive (a tensor over it, or its owner)
 
 
 # base address -> segment. Holding the tensor means an address can never be
@@ -77,7 +78,12 @@ def segment_name(owner_pid: int, rid: str, rank: int, kind: str) -> str:
 
 
 def segment_path(name: str) -> Path:
-    """Path of segment ``name`` (rejects names that would escape the shm directory)."""
+    """Path of segment ``name`` (rejects names that would escape the shm directory).
+    A memory file another process holds open (``/proc/<pid>/fd/<n>``: an
+    engine's KV planes moved into shared memory in place, kvcached.memory.inplace)
+    is its own path."""
+    if _PROC_FD_RE.match(name or ""):
+        return Path(name)
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"invalid shared-memory segment name {name!r}")
     return shm_dir() / name
@@ -190,6 +196,13 @@ def _register(name: str, tensor: torch.Tensor, nbytes: int) -> None:
     seg = _Segment(name, tensor.untyped_storage().data_ptr(), nbytes, tensor)
     with _LOCK:
         _REGISTRY[seg.base] = seg
+
+
+def register_mapping(name: str, base: int, nbytes: int, keepalive: object) -> None:
+    """Register memory this process mapped itself (``base``, ``nbytes``) as segment
+    ``name``, so that planes inside it can be exported; ``keepalive`` holds it."""
+    with _LOCK:
+        _REGISTRY[base] = _Segment(name, base, nbytes, keepalive)
 
 
 def forget_segment(name: str) -> None:

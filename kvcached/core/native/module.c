@@ -956,6 +956,29 @@ static PyObject *Core_add_hashes(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* The GPU or CPU block ids of the request's path nodes [start, stop). */
+static PyObject *Core_path_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t start, stop;
+    int tier;
+    request_t *r;
+    if (nargs != 4 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "start", &start) < 0 || as_i32(args[2], "stop", &stop) < 0 ||
+        tier_arg(args[3], &tier) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "path_blocks(req, start, stop, tier)");
+        return NULL;
+    }
+    if (path_range(r, start, stop - start) < 0 || stop < start) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "path_blocks: stop < start");
+        return NULL;
+    }
+    PyObject *out = PyList_New(stop - start);
+    for (int32_t k = start; out != NULL && k < stop; k++) {
+        const node_t *n = N(CORE(self), r->path[k]);
+        PyList_SetItem(out, k - start, PyLong_FromLong(tier == T_GPU ? n->gpu : n->cpu));
+    }
+    return out;
+}
+
 static PyObject *Core_cpu_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int32_t limit;
     request_t *r;
@@ -1261,6 +1284,7 @@ static PyMethodDef core_methods[] = {
                          "blocks the engine hashed (keys: BLAKE2b(namespace || hash))"),
     FAST(add_hashes, "add_hashes(req, engine_hashes): more blocks of the request"),
     FAST(cpu_prefix, "cpu_prefix(req, limit) -> int: leading blocks the CPU tier holds"),
+    FAST(path_blocks, "path_blocks(req, start, stop, tier) -> block ids of path nodes"),
     FAST(ext_save, "ext_save(req, upto) -> (nodes, cpu_ids, block positions) to copy"),
     FAST(ext_finish_save, "ext_finish_save(req, nodes, blocks, ok)"),
     {"ext_plan_store", Core_ext_plan_store, METH_O,

@@ -1,0 +1,1 @@
+"""kvcached inside inference engines (``kvcached.integrations.vllm``)."""

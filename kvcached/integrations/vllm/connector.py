@@ -1,0 +1,110 @@
+"""``KvcachedConnector``: kvcached as a vLLM KV connector.
+
+Loaded by vLLM with no change to vLLM::
+
+    --kv-transfer-config '{"kv_connector": "KvcachedConnector",
+      "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"num_cpu_blocks": 16384, "storage_backend": "file"}}'
+
+vLLM makes one connector in its scheduler (the ``SchedulerHalf``: the cache
+manager, its tiers and transfer workers) and one in every worker process
+(the ``WorkerHalf``: hands the rank's KV tensors over). The copies run in
+kvcached's transfer workers, between vLLM's steps, so the model runner's
+per-layer hooks have nothing to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+
+@dataclass
+class KvcachedMetadata(KVConnectorMetadata):
+    """What the scheduler tells every worker each step: the requests whose
+    loads finished, and the engine blocks among them that did not get their KV."""
+
+    finished_loads: set[str] = field(default_factory=set)
+    load_errors: set[int] = field(default_factory=set)
+
+
+class KvcachedConnector(KVConnectorBase_V1):
+    """kvcached's CPU and storage tiers behind vLLM's GPU tier (see the module)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.scheduler = self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvcached.integrations.vllm.scheduler import SchedulerHalf
+            # A load that fails is a miss: vLLM recomputes the blocks kvcached
+            # reports (its default policy fails the request).
+            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.scheduler = SchedulerHalf(vllm_config, kv_cache_config)
+        else:
+            from kvcached.integrations.vllm.worker import WorkerHalf
+            self.worker = WorkerHalf(vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that does not happen is a later miss
+
+    # ------------------------------------------------------------ scheduler
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request) -> None:
+        self.scheduler.track(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KvcachedMetadata:
+        finished, errors = self.scheduler.build_meta(scheduler_output)
+        return KvcachedMetadata(finished, errors)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request)
+
+    def reset_cache(self) -> bool | None:
+        return None  # vLLM's reset_prefix_cache leaves kvcached's tiers as they are
+
+    # --------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KvcachedMetadata)
+        self.worker.bind(connector_metadata.finished_loads, connector_metadata.load_errors)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        pass  # loads were copied between steps, by the transfer workers
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        pass  # saves are copied from the blocks once the forward is done
+
+    def wait_for_save(self) -> None:
+        self.worker.after_forward()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.worker.take_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()

@@ -1,0 +1,101 @@
+"""The worker half of the connector: one per vLLM worker process (TP rank).
+
+It hands the rank's KV tensors to the rank's kvcached transfer worker, which
+the scheduler half spawns: on vLLM's CPU build the KV cache (one buffer,
+viewed per layer) is moved into shared memory in place
+(``kvcached.memory.inplace``); on CUDA it is exported by CUDA IPC with the
+rank's KV event, recorded after every forward so that copies are ordered
+after the model's use of the blocks. Either way a descriptor in the run dir
+tells the transfer worker where the planes are.
+
+The copies themselves never run here: the scheduler half submits them and
+learns when every rank finished. It passes the finished loads (and the
+blocks that did not arrive) in each step's metadata, and this half reports
+them to vLLM, every rank alike, as vLLM's aggregation expects.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvcached.integrations.vllm import config as vconfig
+from kvcached.memory import kvshare
+
+# Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
+logger = logging.getLogger("vllm.kvcached")
+
+
+def planes_of(kv_caches: dict[str, torch.Tensor], layer_names: list[str],
+              num_blocks: int) -> list[torch.Tensor]:
+    """The KV planes in kvcached's order (layer by layer, K then V): a layer's
+    tensor is one plane when its first dimension is the block (K and V share
+    it, as vLLM's CPU attention lays them out), two when it is [2, blocks, ...]
+    (K and V apart, as FlashAttention does)."""
+    planes = []
+    for name in layer_names:
+        t = kv_caches[name]
+        if t.shape[0] == num_blocks:
+            planes.append(t)
+        elif t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            planes += [t[0], t[1]]
+        else:
+            raise ValueError(f"kvcached: layer {name}'s KV cache has shape {tuple(t.shape)}; "
+                             f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]")
+    return planes
+
+
+class WorkerHalf:
+    """Registers this rank's KV cache and reports the loads that finished."""
+
+    def __init__(self, vllm_config, kv_cache_config):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        self.rank = get_tensor_model_parallel_rank()
+        self.run_dir = vconfig.run_dir_of(vllm_config)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.group = vconfig.attention_spec(kv_cache_config)
+        self.num_blocks = kv_cache_config.num_blocks
+        self.regions = []  # shared memory this process holds for the transfer worker
+        self.event = None  # the rank's KV event on CUDA
+        self.finished: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        planes = planes_of(kv_caches, list(self.group.layer_names), self.num_blocks)
+        if planes[0].device.type == "cpu":
+            self._share_cpu(planes)
+        else:
+            from kvcached.memory.kvevent import KVEvent
+            self.event = KVEvent(self.run_dir, self.rank)
+        kvshare.export_kv_cache(planes, self.rank, self.run_dir, event=self.event)
+
+    def _share_cpu(self, planes: list[torch.Tensor]) -> None:
+        """Each backing buffer of the planes into shared memory, in place."""
+        from kvcached.memory.inplace import share_in_place
+        seen = set()
+        for p in planes:
+            storage = p.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            self.regions.append(share_in_place(
+                storage.data_ptr(), storage.nbytes(), f"kvcached-kv-rank{self.rank}", p))
+
+    def after_forward(self) -> None:
+        """A forward finished on this rank (vLLM's wait_for_save): on CUDA the KV
+        event is recorded, so kvcached's copies wait for it."""
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream())
+
+    def bind(self, finished: set[str], load_errors: set[int]) -> None:
+        self.finished = set(finished)
+        self.load_errors = set(load_errors)
+
+    def take_finished(self) -> set[str]:
+        out, self.finished = self.finished, set()
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out

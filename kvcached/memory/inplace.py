@@ -1,0 +1,80 @@
+"""Move an engine's CPU tensors into shared memory where they are.
+
+vLLM's CPU build allocates its KV cache as ordinary process memory (one
+``torch.zeros`` buffer), which a transfer worker in another process cannot
+reach, and the model runner holds views of it everywhere. So the buffer is
+not copied elsewhere: its pages are replaced by a shared mapping of the
+same bytes at the same addresses. A memory file (``memfd_create``) gets the
+buffer's current contents, then is mapped over the buffer with
+``MAP_FIXED``; every existing view, pointer and stride stays valid, and a
+transfer worker maps the same file through ``/proc/<pid>/fd/<fd>``.
+
+The mapping covers whole pages: the bytes around the buffer in its first and
+last page move along, with their contents, so nothing else in the process
+changes either. The engine must not write the buffer while it moves (vLLM
+registers its KV cache before the first forward). A memory file is not
+limited by the size of /dev/shm, and it disappears with the process: nothing
+is left behind by an engine that dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+
+from kvcached.memory import shm
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 64 << 20  # bytes copied into the file per write
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    """A range of this process's memory now backed by a shared memory file."""
+
+    path: str  # /proc/<pid>/fd/<fd>: how another process maps it
+    fd: int
+    base: int  # page-aligned start address
+    nbytes: int
+
+
+def share_in_place(address: int, nbytes: int, name: str, keepalive: object) -> SharedRegion:
+    """Back ``nbytes`` of this process's memory at ``address`` (and the rest of
+    their pages) by a new memory file, in place; registers it with
+    ``kvcached.memory.shm`` so that tensors inside it can be exported.
+    ``keepalive`` (the tensor owning the memory) is held as long as it is
+    registered. Raises OSError when the kernel refuses (the memory is then
+    unchanged)."""
+    if nbytes <= 0:
+        raise ValueError(f"nothing to share: {nbytes} bytes")
+    page = mmap.PAGESIZE
+    base = address - address % page
+    size = -(-(address + nbytes - base) // page) * page
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        for off in range(0, size, _CHUNK):  # the current bytes, straight from memory
+            n = min(_CHUNK, size - off)
+            if os.pwrite(fd, (ctypes.c_char * n).from_address(base + off), off) != n:
+                raise OSError(f"short write into the memory file for {name}")
+        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10  # MAP_FIXED
+        got = _libc.mmap(base, size, prot, flags, fd, 0)
+        if got != base:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap over {size} bytes at {base:#x} failed: {os.strerror(err)}")
+    except BaseException:
+        os.close(fd)
+        raise
+    region = SharedRegion(f"/proc/{os.getpid()}/fd/{fd}", fd, base, size)
+    shm.register_mapping(region.path, base, size, keepalive)
+    logger.info("moved %s into shared memory in place (%s, %.1f MiB)", name, region.path,
+                size / 2**20)
+    return region

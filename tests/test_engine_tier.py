@@ -1,0 +1,197 @@
+"""The external GPU tier (what the vLLM connector drives): the engine owns its
+KV planes and block ids, kvcached the CPU tier and storage. An "engine" here
+allocates ordinary memory, moves it into shared memory in place and exports
+it, as the connector's worker half does; real transfer worker processes copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from kvcached import CacheConfig
+from kvcached.core.manager import CacheManager
+from kvcached.memory import kvshare
+from kvcached.memory.inplace import share_in_place
+
+LAYOUT = dict(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32")
+ENGINE_BLOCKS = 16
+
+
+def engine_planes(run_dir, fused: bool, rank: int = 0) -> tuple[list[torch.Tensor], object]:
+    """An engine's KV cache: one ordinary buffer viewed per plane (as vLLM's CPU
+    build lays it out), moved into shared memory in place and exported."""
+    per_plane = 2 * LAYOUT["head_dim"] if fused else LAYOUT["head_dim"]
+    n_planes = LAYOUT["num_layers"] * (1 if fused else 2)
+    shape = (ENGINE_BLOCKS, LAYOUT["num_kv_heads"], LAYOUT["block_size"], per_plane)
+    buf = torch.zeros((n_planes, *shape))
+    planes = list(buf.unbind(0))
+    region = share_in_place(buf.data_ptr(), buf.nbytes, f"test-engine-rank{rank}", buf)
+    kvshare.export_kv_cache(planes, rank, run_dir)
+    return planes, region
+
+
+def fill(planes, ids: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in planes:
+        for i in ids:
+            p[i].copy_(torch.rand(p[i].shape, generator=g))
+
+
+def blocks(planes, ids: list[int]) -> list[torch.Tensor]:
+    return [p[i].clone() for p in planes for i in ids]
+
+
+def engine_hashes(tag: str, n: int) -> list[bytes]:
+    """Chained block hashes, as an engine computes them."""
+    out, parent = [], b""
+    for i in range(n):
+        parent = hashlib.sha256(parent + f"{tag}/{i}".encode()).digest()
+        out.append(parent)
+    return out
+
+
+def manager(tmp_path, name: str, fused: bool = True, **kw) -> CacheManager:
+    cfg = CacheConfig.load(**LAYOUT, fused_kv=fused, num_gpu_blocks=ENGINE_BLOCKS,
+                           num_cpu_blocks=kw.pop("num_cpu_blocks", 32), external_gpu_tier=True,
+                           run_dir=str(tmp_path / name), model_id=kw.pop("model_id", "m"),
+                           storage_backend=kw.pop("storage_backend", "none"), **kw)
+    return CacheManager(cfg)
+
+
+def load(mgr: CacheManager, creq, start: int, stop: int, ids: list[int]) -> list[int]:
+    plan = mgr.engine_load(creq, start, stop, ids)
+    handles = [mgr.submit(t) for t in plan.tasks]
+    for h in handles:
+        assert h.wait(30), "a load did not complete"
+    return mgr.engine_finish_load(plan, [h.result for h in handles])
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """(planes, manager) of a started engine; closed at teardown."""
+    made = []
+
+    def make(name="run", fused=True, **kw):
+        run = tmp_path / name
+        run.mkdir()
+        planes, region = engine_planes(run, fused)
+        mgr = manager(tmp_path, name, fused, **kw).start()
+        made.append((mgr, region))
+        return planes, mgr
+
+    yield make
+    for mgr, _ in made:
+        mgr.close()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_save_then_load_into_other_engine_blocks(engine, fused):
+    planes, mgr = engine(fused=fused)
+    hashes = engine_hashes("a", 5)
+    fill(planes, [0, 1, 2, 3, 4], seed=1)
+    want = blocks(planes, [0, 1, 2, 3, 4])
+    saver = mgr.engine_request(hashes)
+    assert mgr.engine_save([(saver, 5, [0, 1, 2, 3, 4])]) == 5
+    mgr.engine_release(saver)
+    for p in planes:
+        p.zero_()
+
+    reader = mgr.engine_request(hashes)
+    assert mgr.engine_lookup(reader, 5) == (5, 0)
+    assert mgr.engine_lookup(reader, 3) == (3, 0)  # never past the limit
+    ids = [9, 7, 11, 8, 10]
+    assert load(mgr, reader, 0, 5, ids) == []
+    assert all(torch.equal(a, b) for a, b in zip(blocks(planes, ids), want, strict=True))
+
+
+def test_a_load_starts_where_the_engine_hit_ends(engine):
+    planes, mgr = engine()
+    hashes = engine_hashes("a", 4)
+    fill(planes, [0, 1, 2, 3], seed=2)
+    want = blocks(planes, [2, 3])
+    mgr.engine_save([(mgr.engine_request(hashes), 4, [0, 1, 2, 3])])
+    for p in planes:
+        p.zero_()
+    reader = mgr.engine_request(hashes)
+    # The engine holds blocks 0-1 itself (ids 5, 6); kvcached brings 2-3 only.
+    assert load(mgr, reader, 2, 4, [5, 6, 12, 13]) == []
+    assert all(torch.equal(a, b) for a, b in zip(blocks(planes, [12, 13]), want, strict=True))
+    assert not any(p[5].any() or p[6].any() for p in planes)
+
+
+def test_saving_twice_copies_once(engine):
+    planes, mgr = engine()
+    hashes = engine_hashes("a", 3)
+    assert mgr.engine_save([(mgr.engine_request(hashes), 3, [0, 1, 2])]) == 3
+    assert mgr.engine_save([(mgr.engine_request(hashes), 3, [3, 4, 5])]) == 0
+    longer = engine_hashes("a", 5)  # the same conversation, two blocks on
+    assert mgr.engine_save([(mgr.engine_request(longer), 5, [0, 1, 2, 6, 7])]) == 2
+
+
+def test_storage_serves_a_new_engine(engine, tmp_path):
+    store = str(tmp_path / "store")
+    planes, mgr = engine("one", storage_backend="file", storage_url=store)
+    hashes = engine_hashes("s", 4)
+    fill(planes, [0, 1, 2, 3], seed=3)
+    want = blocks(planes, [0, 1, 2, 3])
+    mgr.engine_save([(mgr.engine_request(hashes), 4, [0, 1, 2, 3])])
+    mgr.planner.wait_background(30)
+    mgr.close()
+
+    planes2, mgr2 = engine("two", storage_backend="file", storage_url=store)
+    reader = mgr2.engine_request(hashes)
+    assert mgr2.engine_lookup(reader, 4) == (0, 4)
+    assert load(mgr2, reader, 0, 4, [3, 2, 1, 0]) == []
+    assert all(torch.equal(a, b)
+               for a, b in zip(blocks(planes2, [3, 2, 1, 0]), want, strict=True))
+    assert mgr2.stats().to_dict()["tiers"]["cpu"]["cached"] == 4  # landed in the CPU tier too
+
+
+def test_another_model_never_sees_the_kv(engine, tmp_path):
+    store = str(tmp_path / "store")
+    _, mgr = engine("one", storage_backend="file", storage_url=store, model_id="model-a")
+    hashes = engine_hashes("x", 3)
+    mgr.engine_save([(mgr.engine_request(hashes), 3, [0, 1, 2])])
+    mgr.planner.wait_background(30)
+    _, other = engine("two", storage_backend="file", storage_url=store, model_id="model-b")
+    assert other.engine_lookup(other.engine_request(hashes), 3) == (0, 0)
+
+
+def test_paused_is_a_miss_and_saves_nothing(engine):
+    _, mgr = engine()
+    hashes = engine_hashes("p", 2)
+    mgr.engine_save([(mgr.engine_request(hashes), 2, [0, 1])])
+    mgr.pause()
+    assert mgr.engine_lookup(mgr.engine_request(hashes), 2) == (0, 0)
+    assert mgr.engine_save([(mgr.engine_request(engine_hashes("q", 2)), 2, [2, 3])]) == 0
+    mgr.resume()
+    assert mgr.engine_lookup(mgr.engine_request(hashes), 2) == (2, 0)
+
+
+def test_a_lost_load_names_every_block_it_owed(engine):
+    planes, mgr = engine()
+    hashes = engine_hashes("l", 3)
+    mgr.engine_save([(mgr.engine_request(hashes), 3, [0, 1, 2])])
+    reader = mgr.engine_request(hashes)
+    plan = mgr.engine_load(reader, 0, 3, [4, 5, 6])
+    from kvcached.transfer.base import TaskResult
+    lost = [TaskResult(0, False, "worker lost", True) for _ in plan.tasks]
+    assert mgr.engine_finish_load(plan, lost) == [4, 5, 6]
+    mgr.engine_release(reader)
+    assert mgr.engine_lookup(mgr.engine_request(hashes), 3) == (3, 0)  # still cached
+
+
+def test_engine_calls_need_the_external_tier(make_manager):
+    mgr = make_manager()
+    with pytest.raises(RuntimeError, match="external_gpu_tier = true"):
+        mgr.engine_request([b"x" * 32])
+
+
+def test_external_tier_config_errors():
+    with pytest.raises(ValueError, match="cannot create them: set create_cache = false"):
+        CacheConfig.load(**LAYOUT, external_gpu_tier=True, create_cache=True)
+    with pytest.raises(ValueError, match="fused_kv .* and mla .* exclude each other"):
+        CacheConfig.load(**LAYOUT, fused_kv=True, mla=True)

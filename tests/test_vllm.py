@@ -1,0 +1,184 @@
+"""kvcached inside a real vLLM (its CPU build): the KV connector end to end.
+
+Each test runs ``tests/vllm_app.py`` in its own process (vLLM spawns an
+engine core and workers; a test process must not hold them) on a small
+random-weight Llama made at test time. Greedy outputs must match a run
+without the connector token for token; vLLM's own ``num_cached_tokens``
+shows what kvcached served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
+
+APP = Path(__file__).with_name("vllm_app.py")
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+# Prompt sets: (seed, length); full blocks 21, 15, 31, 2 (a partial block each).
+PROMPTS = {"p": [[1, 700], [2, 500], [3, 1000], [4, 90]]}
+DEADLINE_S = 600
+
+
+def run_app(spec: dict, env: dict | None = None, check: bool = True) -> dict | subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, str(APP), json.dumps(spec)], capture_output=True,
+                         text=True, timeout=DEADLINE_S, env={**os.environ, **(env or {})})
+    if not check:
+        return res
+    lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"vLLM run failed (rc {res.returncode}):\n" \
+                                          f"{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def generated(result: dict) -> list[dict]:
+    return [s for s in result["steps"] if s["step"][0] == "generate"]
+
+
+def full_blocks_served(step: dict, prompts: list[list[int]]) -> list[float]:
+    """Per prompt, the share of its full blocks (those vLLM may take from a cache:
+    one token is always computed) that came cached."""
+    out = []
+    for (_, length), cached in zip(prompts, step["cached"], strict=True):
+        full = (length - 1) // BLOCK * BLOCK
+        out.append(cached / full if full else 1.0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def baseline(model) -> list[list[int]]:
+    """Greedy outputs without a connector."""
+    res = run_app({"model": model, "extra": None, "prompts": PROMPTS,
+                   "steps": [["generate", "p"]]})
+    return generated(res)[0]["outputs"]
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kv-storage")
+
+
+@pytest.fixture(scope="module")
+def served(model, storage, tmp_path_factory) -> dict:
+    """One vLLM with kvcached (CPU tier and file storage) through: a cold pass;
+    a pass after vLLM's prefix cache is reset (the CPU tier serves); a pass with
+    rank 0's transfer worker SIGKILLed just before; paused; asleep; and after
+    each, resumed."""
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    steps = [["generate", "p"], ["reset"], ["generate", "p"], ["status"],
+             ["reset"], ["kill_worker"], ["generate", "p"], ["wait_worker"],
+             ["reset"], ["generate", "p"],
+             ["ctl", "pause"], ["reset"], ["generate", "p"], ["ctl", "resume"],
+             ["ctl", "sleep"], ["reset"], ["generate", "p"], ["ctl", "wakeup"],
+             ["reset"], ["generate", "p"], ["status"]]
+    extra = {"num_cpu_blocks": 512, "run_dir": str(run_dir), "storage_backend": "file",
+             "storage_url": str(storage)}
+    return run_app({"model": model, "extra": extra, "prompts": PROMPTS, "steps": steps})
+
+
+def test_cpu_tier_serves_identical_outputs(served, baseline):
+    cold, warm = generated(served)[:2]
+    assert cold["outputs"] == baseline
+    assert warm["outputs"] == baseline
+    assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+    status = next(s["status"] for s in served["steps"] if s["step"] == ["status"])
+    assert status["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
+    assert status["stats"]["tiers"]["cpu"]["used"] >= sum(warm["cached"]) // BLOCK
+
+
+def test_killed_worker_is_a_miss_then_comes_back(served, baseline):
+    steps = served["steps"]
+    killed = next(s["killed"] for s in steps if s["step"] == ["kill_worker"])
+    back = next(s["pid"] for s in steps if s["step"] == ["wait_worker"])
+    assert back != killed
+    during, after = generated(served)[2:4]
+    assert during["outputs"] == baseline  # lost loads were recomputed, not used
+    assert after["outputs"] == baseline
+    assert min(full_blocks_served(after, PROMPTS["p"])) >= 0.9, after["cached"]
+
+
+def test_ctl_pause_and_sleep_against_running_vllm(served, baseline):
+    ctl = {s["step"][1]: s for s in served["steps"] if s["step"][0] == "ctl"}
+    for op in ("pause", "resume", "sleep", "wakeup"):
+        assert ctl[op]["rc"] == 0, ctl[op]["output"]
+    paused, asleep, awake = generated(served)[4:7]
+    assert paused["outputs"] == baseline and paused["cached"] == [0, 0, 0, 0]
+    assert asleep["outputs"] == baseline and asleep["cached"] == [0, 0, 0, 0]
+    assert awake["outputs"] == baseline
+    assert min(full_blocks_served(awake, PROMPTS["p"])) >= 0.9, awake["cached"]
+
+
+def test_storage_serves_a_fresh_vllm(served, model, storage, baseline, tmp_path):
+    """A new vLLM process (new run dir, empty CPU tier) over the same file store."""
+    del served  # it filled the store
+    extra = {"num_cpu_blocks": 512, "run_dir": str(tmp_path / "run"),
+             "storage_backend": "file", "storage_url": str(storage)}
+    res = run_app({"model": model, "extra": extra, "prompts": PROMPTS,
+                   "steps": [["generate", "p"], ["status"]]})
+    (step,) = generated(res)
+    assert step["outputs"] == baseline
+    assert min(full_blocks_served(step, PROMPTS["p"])) >= 0.9, step["cached"]
+    status = res["steps"][1]["status"]
+    assert status["stats"]["hit_tokens"]["storage"] == sum(step["cached"])
+
+
+def test_bad_extra_config_stops_vllm_at_startup(model, tmp_path):
+    res = run_app({"model": model, "extra": {"num_cpu_blocks": 64, "bogus_key": 1},
+                   "prompts": PROMPTS, "steps": [["generate", "p"]]}, check=False)
+    assert res.returncode != 0
+    assert "kvcached (kv_connector_extra_config): unknown config key(s) ['bogus_key']" \
+        in res.stdout + res.stderr
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 binds one CPU per rank")
+def test_tensor_parallel_two_ranks(tmp_path):
+    """Two ranks, two transfer workers, every task barriered over both."""
+    model = str(tmp_path / "llama-2kv")  # two KV heads: one per rank
+    extra = {"num_cpu_blocks": 256, "run_dir": str(tmp_path / "run")}
+    spec = {"model": model, "model_shape": [2, 256], "tp": 2, "extra": extra,
+            "prompts": {"p": PROMPTS["p"][:2]},
+            "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]}
+    # vLLM's CPU build binds each rank's threads to a NUMA node unless told the CPUs.
+    res = run_app(spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    cold, warm = generated(res)
+    assert warm["outputs"] == cold["outputs"]
+    assert min(full_blocks_served(warm, spec["prompts"]["p"])) >= 0.9, warm["cached"]
+    status = res["steps"][-1]["status"]
+    assert sorted((w["rank"], w["state"]) for w in status["workers"]) == [(0, "ready"),
+                                                                          (1, "ready")]
+    # A task completes only once both ranks did it: loads and saves completed.
+    transfers = status["stats"]["transfers"]
+    assert transfers["swap_in"]["done"] >= 1 and transfers["swap_out"]["done"] >= 1
+    assert status["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
+
+
+def _cuda_vllm() -> bool:
+    import torch
+    from vllm.platforms import current_platform
+    return torch.cuda.is_available() and current_platform.is_cuda()
+
+
+@pytest.mark.skipif(not _cuda_vllm(), reason="needs a GPU and vLLM's CUDA build")
+def test_cuda_ipc_path(model, tmp_path):
+    """On a GPU the planes go to the transfer worker by CUDA IPC, copies ordered
+    after each forward by the rank's KV event: the same contract as on CPU."""
+    extra = {"num_cpu_blocks": 512, "run_dir": str(tmp_path / "run")}
+    plain = run_app({"model": model, "extra": None, "prompts": PROMPTS,
+                     "steps": [["generate", "p"]]})
+    res = run_app({"model": model, "extra": extra, "prompts": PROMPTS,
+                   "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]})
+    cold, warm = generated(res)
+    assert cold["outputs"] == warm["outputs"] == generated(plain)[0]["outputs"]
+    assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+    assert res["steps"][-1]["status"]["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])

@@ -1,0 +1,116 @@
+"""The connector's configuration: kvcached's keys from vLLM's
+``kv_connector_extra_config``, the layout and identity from vLLM's own config
+(real vLLM spec classes; no engine started)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from kvcached.integrations.vllm import config as vconfig  # noqa: E402
+
+
+def kv_config(groups=None, num_blocks=100, hash_block_size=None) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    groups = groups or [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(3)], spec)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                         hash_block_size=hash_block_size)
+
+
+def engine_config(tmp_path, extra=None, tp=1, pp=1, model="org/model") -> SimpleNamespace:
+    hf = SimpleNamespace(to_json_string=lambda use_diff=False: '{"hidden_size": 128}')
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {},
+                                           engine_id="e1"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=SimpleNamespace(model=model, revision=None, dtype=torch.bfloat16,
+                                     quantization=None, hf_config=hf),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"))
+
+
+def test_layout_and_identity_come_from_vllm(tmp_path):
+    cfg = vconfig.cache_config(engine_config(tmp_path, {"num_cpu_blocks": 64}), kv_config(),
+                               fused_kv=True)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.block_size) == (3, 2, 64, 32)
+    assert (cfg.dtype, cfg.num_gpu_blocks, cfg.tp_size, cfg.fused_kv) == ("bfloat16", 100, 1, True)
+    assert cfg.external_gpu_tier and not cfg.create_cache and cfg.num_cpu_blocks == 64
+    assert cfg.model_id.startswith("org/model@")
+    assert cfg.run_dir.endswith("kvcached-vllm-e1")
+
+
+def test_two_models_never_share_a_namespace(tmp_path):
+    a = vconfig.cache_config(engine_config(tmp_path, model="org/a"), kv_config(), True)
+    b = vconfig.cache_config(engine_config(tmp_path, model="org/b"), kv_config(), True)
+    assert a.model_id != b.model_id
+
+
+def test_local_weights_are_part_of_the_identity(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    mc = engine_config(tmp_path, model=str(tmp_path)).model_config
+    before = vconfig.model_identity(mc)
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # new weights, same path
+    assert vconfig.model_identity(mc) != before
+
+
+@pytest.mark.parametrize("key,value,vllm_value", [("block_size", 64, 32), ("num_layers", 2, 3),
+                                                  ("dtype", "float16", "bfloat16"),
+                                                  ("tp_size", 2, 1)])
+def test_a_key_contradicting_vllm_names_both_values(tmp_path, key, value, vllm_value):
+    with pytest.raises(ValueError, match=f"{key}={value!r} contradicts vLLM's "
+                                         f"{key}={vllm_value!r}"):
+        vconfig.cache_config(engine_config(tmp_path, {key: value}), kv_config(), True)
+
+
+def test_a_key_repeating_vllm_is_accepted(tmp_path):
+    cfg = vconfig.cache_config(engine_config(tmp_path, {"block_size": 32}), kv_config(), True)
+    assert cfg.block_size == 32
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"bogus": 1}, r"unknown config key\(s\) \['bogus'\]"),
+    ({"num_cpu_blocks": -5}, "num_cpu_blocks"),
+    ({"storage_backend": "tape"}, "storage_backend"),
+    ({"external_gpu_tier": False}, "external_gpu_tier=False: inside vLLM it is always True"),
+    ({"create_cache": True}, "create_cache=True"),
+])
+def test_bad_extra_config_names_the_key(tmp_path, extra, match):
+    with pytest.raises(ValueError, match=match) as err:
+        vconfig.cache_config(engine_config(tmp_path, extra), kv_config(), True)
+    assert "kv_connector_extra_config" in str(err.value)
+
+
+def test_unsupported_models_are_refused_with_the_reason(tmp_path):
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                            sliding_window=128)
+    hybrid = kv_config([KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], swa)])
+    with pytest.raises(ValueError, match="one full-attention KV cache group"):
+        vconfig.cache_config(engine_config(tmp_path), hybrid, True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        vconfig.cache_config(engine_config(tmp_path, pp=2), kv_config(), True)
+    with pytest.raises(ValueError, match="hashes blocks of 16 tokens"):
+        vconfig.cache_config(engine_config(tmp_path), kv_config(hash_block_size=16), True)
+    fp8 = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                            dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="float8"):
+        vconfig.cache_config(engine_config(tmp_path), kv_config([KVCacheGroupSpec(["a"], fp8)]),
+                             True)
+
+
+def test_per_process_hash_seed_warns_when_storage_is_on(tmp_path, monkeypatch):
+    ec = engine_config(tmp_path, {"storage_backend": "file", "storage_url": str(tmp_path)})
+    cfg = vconfig.cache_config(ec, kv_config(), True)
+    assert vconfig.check_hashes_reproducible(ec, cfg) is None
+    ec.cache_config.prefix_caching_hash_algo = "xxhash"
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert "never found by the next" in vconfig.check_hashes_reproducible(ec, cfg)

@@ -1,0 +1,121 @@
+"""A vLLM run for the connector tests (and the benchmark): runs the steps of a
+JSON spec in one vLLM process and prints one JSON line with what each step saw.
+
+    python tests/vllm_app.py '{"model": DIR, "extra": {...} | null, "steps": [...]}'
+
+Steps: ``["generate", name]`` (greedy outputs and ``num_cached_tokens`` of the
+prompt set ``name``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
+(SIGKILL rank 0's transfer worker; ``restarts`` reports it came back),
+``["ctl", op]`` (``kvcached ctl op``), ``["status"]``. Prompt sets are token ids made from the spec's ``prompts``:
+``{name: [[seed, length], ...]}``. vLLM spawns processes: hence the main guard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+
+def make_model(path: str, layers: int = 2, hidden: int = 128) -> str:
+    """A small Llama with random weights (nothing downloaded); reused if present."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                      num_key_value_heads=max(1, hidden // 128), max_position_embeddings=8192)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def prompts(spec: list[list[int]]) -> list[list[int]]:
+    out = []
+    for seed, length in spec:
+        rng = random.Random(seed)
+        out.append([rng.randrange(1, 1000) for _ in range(length)])
+    return out
+
+
+def status(run_dir: str) -> dict:
+    res = subprocess.run([sys.executable, "-m", "kvcached", "status", "--run-dir", run_dir,
+                          "--json"], capture_output=True, text=True, timeout=60)
+    return json.loads(res.stdout)
+
+
+def worker(run_dir: str, rank: int = 0) -> dict:
+    return next(w for w in status(run_dir)["workers"] if w["rank"] == rank)
+
+
+def wait_worker_back(run_dir: str, old_pid: int, deadline_s: float = 60.0) -> int:
+    """The pid of rank 0's worker once a new one runs (or raises)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        w = worker(run_dir)
+        if w["state"] == "ready" and w["pid"] != old_pid:
+            return int(w["pid"])
+        time.sleep(0.2)
+    raise TimeoutError(f"rank 0's transfer worker (pid {old_pid}, killed) did not come back "
+                       f"within {deadline_s}s")
+
+
+def main(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    kw = {}
+    if spec.get("extra") is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": spec.get("connector", "KvcachedConnector"),
+            "kv_connector_module_path": spec.get("module", "kvcached.integrations.vllm"),
+            "kv_role": "kv_both", "kv_connector_extra_config": spec["extra"]}
+    t0 = time.monotonic()
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=32, enforce_eager=True,
+              max_model_len=spec.get("max_model_len", 4096), dtype="bfloat16",
+              kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
+              tensor_parallel_size=spec.get("tp", 1), disable_log_stats=True,
+              max_num_seqs=spec.get("max_num_seqs", 16), **kw)
+    out: dict = {"startup_s": time.monotonic() - t0, "steps": []}
+    sets = {name: prompts(p) for name, p in spec["prompts"].items()}
+    sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8))
+    run_dir = (spec.get("extra") or {}).get("run_dir")
+    for step in spec["steps"]:
+        if step[0] == "generate":
+            t = time.monotonic()
+            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in sets[step[1]]], sp,
+                               use_tqdm=False)
+            out["steps"].append({"step": step, "seconds": time.monotonic() - t,
+                                 "outputs": [list(r.outputs[0].token_ids) for r in res],
+                                 "cached": [r.num_cached_tokens for r in res]})
+        elif step[0] == "reset":
+            assert llm.reset_prefix_cache()
+            out["steps"].append({"step": step})
+        elif step[0] == "kill_worker":
+            pid = int(worker(run_dir)["pid"])
+            os.kill(pid, signal.SIGKILL)
+            out["steps"].append({"step": step, "killed": pid})
+        elif step[0] == "wait_worker":
+            killed = next(s["killed"] for s in reversed(out["steps"]) if "killed" in s)
+            out["steps"].append({"step": step, "pid": wait_worker_back(run_dir, killed)})
+        elif step[0] == "ctl":  # kvcached ctl OP against this vLLM
+            res = subprocess.run([sys.executable, "-m", "kvcached", "ctl", step[1], "--run-dir",
+                                  run_dir], capture_output=True, text=True, timeout=120)
+            out["steps"].append({"step": step, "rc": res.returncode,
+                                 "output": res.stdout + res.stderr})
+        elif step[0] == "status":
+            out["steps"].append({"step": step, "status": status(run_dir)})
+        else:
+            raise ValueError(f"unknown step {step!r}")
+    return out
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    make_model(spec["model"], *spec.get("model_shape", ()))
+    result = main(spec)
+    print("RESULT " + json.dumps(result), flush=True)
