@@ -13,7 +13,10 @@ VLLM_STAMP := $(VENV)/.vllm
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# setup.py compiles the native code at install: a changed C source reinstalls.
+NATIVE  := setup.py $(wildcard kvcached/*/native/*.c kvcached/*/native/*.h)
+
+$(STAMP): pyproject.toml $(NATIVE)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"

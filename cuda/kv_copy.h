@@ -3,7 +3,7 @@
  *
  * One call moves a list of (src block, dst block) pairs for every KV plane
  * between the engine's layer-first device planes and the block-major host
- * pool (docs/architecture.md §3-4):
+ * pool (docs/architecture.md, "Memory" and "The CUDA copy path"):
  *
  *   device: plane p, block b  at  dev_base_p + b * dev_stride_p   (nbytes_p contiguous)
  *   host:   block h, plane p  at  host_base + h * host_block_bytes + host_offset_p

@@ -38,8 +38,7 @@ CUDA_MAX_GRID_BLOCKS, CUDA_MAX_BLOCK_THREADS = 1024, 512  # kv_copy.h
 # KVCACHED_* environment variables that are not config fields, and what they do.
 OTHER_ENV = {
     "KVCACHED_LOG_LEVEL": "log level of kvcached's processes (DEBUG, INFO, ...)",
-    "KVCACHED_CACHE_DIR": "where native builds are cached (default ~/.cache/kvcached)",
-    "KVCACHED_NO_NATIVE": "1: use the Python paths instead of the native extensions",
+    "KVCACHED_CACHE_DIR": "where the CUDA copy library is built (default ~/.cache/kvcached)",
     "KVCACHED_SHM_DIR": "where shared-memory segments live (default /dev/shm)",
     "KVCACHED_CUDA_ARCHS": "SM versions to build the CUDA kernel for (e.g. 80;90)",
     "KVCACHED_NVCC": "the nvcc to build the CUDA kernel with",

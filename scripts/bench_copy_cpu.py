@@ -1,10 +1,10 @@
 """Benchmark the CPU copy engine against a plain memcpy of the same bytes.
 
 For 1, 16 and 256 blocks of the default layout (8 planes of 16 KiB), times
-swap_out and swap_in (random, non-contiguous block ids, all planes) for the
-native and torch backends, next to one contiguous torch copy of a uint8
-tensor of the same total size, in the same process. The native engine is
-timed with 1 thread and with the default ``copy_threads`` (N); the copy
+swap_out and swap_in (random, non-contiguous block ids, all planes) through
+the engine (kvcached/copy/native/cpu_copy.c), next to one contiguous torch
+copy of a uint8 tensor of the same total size, in the same process. The
+engine is timed with 1 thread and with the default ``copy_threads`` (N); the copy
 baseline on 1 thread and on N torch threads. The headline (and the target,
 >= 0.9x) compares the engine as configured by default with a copy on as many
 threads. Each number is the median of several runs; each run repeats the
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from kvcached.config import CacheConfig
-from kvcached.copy import cpu
 from kvcached.copy.cpu import CpuCopyEngine
 from kvcached.layout import TORCH_DTYPES
 
@@ -92,17 +91,11 @@ def default_threads() -> int:
 
 
 def engines(planes, host, offsets) -> dict[str, CpuCopyEngine]:
-    """torch, native (1 thread) and native with the default ``copy_threads``."""
-    out = {"torch": CpuCopyEngine(planes, host, offsets, native=False)}
-    try:
-        cpu.load_native()
-    except RuntimeError as e:
-        logger.warning("native backend skipped: %s", e)
-        return out
-    out["native"] = CpuCopyEngine(planes, host, offsets, native=True)
+    """``native`` (1 thread) and ``native_tN`` (the default ``copy_threads``, N > 1)."""
+    out = {"native": CpuCopyEngine(planes, host, offsets)}
     n = default_threads()
     if n > 1:
-        out[f"native_t{n}"] = CpuCopyEngine(planes, host, offsets, threads=n, native=True)
+        out[f"native_t{n}"] = CpuCopyEngine(planes, host, offsets, threads=n)
     return out
 
 
@@ -143,8 +136,8 @@ def run(quick: bool = False) -> dict:
 
 def summarize(layout, results: dict, engs: dict, quick: bool) -> dict:
     """Ratios at 256 blocks (mean of swap_out and swap_in) against a copy on as
-    many threads: ``native`` and ``torch`` copy on one thread and are compared
-    with the one-thread copy; ``native_tN`` with torch's N-thread copy_. The
+    many threads: ``native`` copies on one thread and is compared with the
+    one-thread copy; ``native_tN`` with torch's N-thread copy_. The
     headline is the default configuration (``copy_threads`` = N)."""
     last = results[str(BLOCK_COUNTS[-1])]
     n = default_threads()

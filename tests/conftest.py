@@ -44,23 +44,6 @@ def _clean_env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
 
 
-@pytest.fixture(scope="session")
-def native():
-    """The native block-hash extension; skipped only where it cannot be built at all."""
-    import sysconfig
-    from pathlib import Path
-
-    import kvcached.core.hashing as hashing
-    from kvcached.copy.native_build import find_compiler
-    if find_compiler() is None:
-        pytest.skip("no C compiler: the Python path is covered by test_hashing.py")
-    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
-        pytest.skip("no Python headers to build the extension against")
-    mod = hashing.load_native()
-    assert mod is not None, f"native block hashing failed to build: {hashing.native_error()}"
-    return mod
-
-
 @pytest.fixture
 def make_manager(tmp_path):
     """Build started in-process managers on tiny configs; all are closed at teardown."""

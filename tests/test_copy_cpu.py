@@ -1,16 +1,22 @@
-"""CpuCopyEngine (native and torch backends) against a plain slicing reference."""
+"""CpuCopyEngine (kvcached/copy/native/cpu_copy.c, built at install) against the
+reference copy (tests/reference/cpu_copy.py: torch slicing, block by block)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference.cpu_copy import ReferenceCpuCopy, block_bytes
 
-from kvcached.copy import cpu, native_build
+from kvcached.copy import _cpu_copy, cpu, native_build
 from kvcached.copy.cpu import CpuCopyEngine
 from kvcached.copy.native_build import BuildError, CompilerNotFound, build_shared_library
 from kvcached.layout import TORCH_DTYPES, KVLayout
@@ -29,16 +35,6 @@ BIG = KVLayout(4, 4, 64, 16, "float32")  # the default layout: 8 planes of 16 Ki
 
 
 # ------------------------------------------------------------------ helpers
-@pytest.fixture(params=["native", "torch"])
-def backend(request) -> str:
-    if request.param == "native":
-        try:
-            cpu.load_native()
-        except RuntimeError as e:
-            pytest.skip(f"native library unavailable: {e}")
-    return request.param
-
-
 def make_planes(layout: KVLayout, num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
     """Random bytes in every plane (any bit pattern is fine: we compare bytes)."""
     g = torch.Generator().manual_seed(seed)
@@ -54,17 +50,10 @@ def make_host(layout: KVLayout, num_blocks: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (num_blocks, layout.block_bytes), dtype=torch.uint8, generator=g)
 
 
-def block_bytes(plane: torch.Tensor, b: int) -> torch.Tensor:
-    return plane[b].reshape(-1).view(torch.uint8)
-
-
 def expected_host(host: torch.Tensor, planes, offsets, dev_ids, host_ids) -> torch.Tensor:
-    """The reference: each (device, host) pair copied plane by plane with slicing."""
+    """The host pool after the reference swaps ``dev_ids`` out to ``host_ids``."""
     out = host.clone()
-    for d, h in zip(dev_ids, host_ids, strict=True):
-        for plane, off in zip(planes, offsets, strict=True):
-            src = block_bytes(plane, d)
-            out[h, off:off + src.numel()] = src
+    ReferenceCpuCopy(planes, out, offsets).swap_out(dev_ids, host_ids)
     return out
 
 
@@ -77,11 +66,8 @@ def assert_planes_equal(a, b) -> None:
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"plane {i} differs"
 
 
-def engine(planes, host, layout, backend, threads=1) -> CpuCopyEngine:
-    eng = CpuCopyEngine(planes, host, layout.host_offsets, threads=threads,
-                        native=(backend == "native"))
-    assert eng.backend == backend
-    return eng
+def engine(planes, host, layout, threads=1) -> CpuCopyEngine:
+    return CpuCopyEngine(planes, host, layout.host_offsets, threads=threads)
 
 
 def pick_ids(rng, pattern: str, num_dev: int, num_host: int, n: int):
@@ -94,12 +80,12 @@ def pick_ids(rng, pattern: str, num_dev: int, num_host: int, n: int):
 # ------------------------------------------------------------- round trips
 @pytest.mark.parametrize("pattern", ["random", "consecutive"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_round_trip_is_byte_exact(backend, name, pattern):
+def test_round_trip_is_byte_exact(name, pattern):
     layout, rng = LAYOUTS[name], np.random.default_rng(7)
     planes, host = make_planes(layout, 12), make_host(layout, 16)
     originals = snapshot(planes)
     dev_ids, host_ids = pick_ids(rng, pattern, 12, 16, 5)
-    eng = engine(planes, host, layout, backend)
+    eng = engine(planes, host, layout)
 
     want = expected_host(host, planes, layout.host_offsets, dev_ids, host_ids)
     moved = eng.swap_out(dev_ids, host_ids)
@@ -120,7 +106,7 @@ def test_round_trip_is_byte_exact(backend, name, pattern):
         assert torch.equal(p[untouched].view(torch.uint8), orig[untouched].view(torch.uint8))
 
 
-def test_padded_block_stride_and_sliced_planes(backend):
+def test_padded_block_stride_and_sliced_planes():
     """vLLM-style [2, num_blocks, ...] planes and blocks with a gap between them."""
     layout = LAYOUTS["fp16"]
     shape = layout.planes[0].shape
@@ -129,7 +115,7 @@ def test_padded_block_stride_and_sliced_planes(backend):
     planes = [kv[0], kv[1], gapped, gapped.clone()]
     host = make_host(layout, 4)
     originals = snapshot(planes)
-    eng = engine(planes, host, layout, backend)
+    eng = engine(planes, host, layout)
     want = expected_host(host, planes, layout.host_offsets, [5, 0], [3, 1])
     eng.swap_out([5, 0], [3, 1])
     assert torch.equal(host, want)
@@ -141,28 +127,28 @@ def test_padded_block_stride_and_sliced_planes(backend):
         assert torch.equal(block_bytes(kv[0], b), block_bytes(originals[0], b))
 
 
-def test_empty_task_moves_nothing(backend):
+def test_empty_task_moves_nothing():
     layout = LAYOUTS["fp32"]
     planes, host = make_planes(layout, 3), make_host(layout, 3)
     before = host.clone()
-    eng = engine(planes, host, layout, backend)
+    eng = engine(planes, host, layout)
     assert eng.swap_out([], []) == 0 and eng.swap_in([], []) == 0
     assert torch.equal(host, before)
 
 
 @pytest.mark.parametrize("n", [cpu.SMALL_IDS, 33])  # the short-list path and the numpy path
 @pytest.mark.parametrize("threads", [2, 3])
-def test_threads_give_the_same_bytes(backend, threads, n):
+def test_threads_give_the_same_bytes(threads, n):
     planes, rng = make_planes(BIG, 40), np.random.default_rng(3)
     dev_ids, host_ids = pick_ids(rng, "random", 40, 40, n)  # 2-4 MiB: the C side splits it
     hosts = []
     for t in (1, threads):
         host = torch.zeros(40, BIG.block_bytes, dtype=torch.uint8)
-        engine(planes, host, BIG, backend, threads=t).swap_out(dev_ids, host_ids)
+        engine(planes, host, BIG, threads=t).swap_out(dev_ids, host_ids)
         hosts.append(host)
     assert torch.equal(hosts[0], hosts[1])
     back = [torch.zeros_like(p) for p in planes]
-    engine(back, hosts[1], BIG, backend, threads=threads).swap_in(host_ids, dev_ids)
+    engine(back, hosts[1], BIG, threads=threads).swap_in(host_ids, dev_ids)
     for p, b in zip(planes, back, strict=True):
         assert torch.equal(p[dev_ids].view(torch.uint8), b[dev_ids].view(torch.uint8))
 
@@ -179,14 +165,14 @@ BAD_CASES = {
 }
 
 
-def assert_refused_untouched(backend, direction: str, dev: list, hst: list, msg: str) -> None:
+def assert_refused_untouched(direction: str, dev: list, hst: list, msg: str) -> None:
     """A copy with bad ids raises ``msg`` and leaves every plane and host byte as it was.
     ``dev``/``hst`` are the device and host ids of a swap_out; a swap_in takes them
     the other way round (``hst`` are its sources)."""
     layout = LAYOUTS["fp8+scales"]
     planes, host = make_planes(layout, 6), make_host(layout, 4)
     planes_before, host_before = snapshot(planes), host.clone()
-    eng = engine(planes, host, layout, backend)
+    eng = engine(planes, host, layout)
     with pytest.raises(ValueError, match=msg):
         if direction == "swap_out":
             eng.swap_out(dev, hst)
@@ -198,11 +184,11 @@ def assert_refused_untouched(backend, direction: str, dev: list, hst: list, msg:
 
 @pytest.mark.parametrize("direction", ["swap_out", "swap_in"])
 @pytest.mark.parametrize("case", list(BAD_CASES))
-def test_bad_ids_raise_and_touch_nothing(backend, case, direction):
+def test_bad_ids_raise_and_touch_nothing(case, direction):
     dev, hst, msg = BAD_CASES[case]
     if case == "duplicate destination" and direction == "swap_in":
         dev, hst, msg = [3, 3], [0, 1], "device block id 3 is a destination twice"
-    assert_refused_untouched(backend, direction, dev, hst, msg)
+    assert_refused_untouched(direction, dev, hst, msg)
 
 
 # Ids the short-list path must not hand to ctypes, which would wrap 2**64 + 1
@@ -221,23 +207,19 @@ SHORT_BAD_CASES = {
 
 @pytest.mark.parametrize("direction", ["swap_out", "swap_in"])
 @pytest.mark.parametrize("case", list(SHORT_BAD_CASES))
-def test_short_list_bad_ids_raise_and_touch_nothing(backend, case, direction):
+def test_short_list_bad_ids_raise_and_touch_nothing(case, direction):
     dev, hst, msg = SHORT_BAD_CASES[case]
     if direction == "swap_in" and case.startswith("duplicate"):
         dev, hst = hst, dev  # the duplicate case names the device side: swap the roles
-    assert_refused_untouched(backend, direction, dev, hst, msg)
+    assert_refused_untouched(direction, dev, hst, msg)
 
 
 def test_short_lists_skip_the_general_path(monkeypatch):
     """Up to SMALL_IDS plain ints go straight to C; longer lists, tuples and numpy
     ids take the general (numpy) checks. Both copy the same bytes."""
-    try:
-        cpu.load_native()
-    except RuntimeError as e:
-        pytest.skip(f"native library unavailable: {e}")
     layout, n = LAYOUTS["bf16"], cpu.SMALL_IDS
     planes, host = make_planes(layout, n + 1), make_host(layout, n + 1)
-    eng = engine(planes, host, layout, "native")
+    eng = engine(planes, host, layout)
     general = []
     check_ids = eng._check_ids
     monkeypatch.setattr(eng, "_check_ids", lambda d, h: general.append(len(d)) or check_ids(d, h))
@@ -254,15 +236,11 @@ def test_short_lists_skip_the_general_path(monkeypatch):
 def test_threads_share_an_engine():
     """Threads calling one engine at once: each has its own id buffers (the C call
     runs without the GIL), so no thread's ids leak into another's copy."""
-    try:
-        cpu.load_native()
-    except RuntimeError as e:
-        pytest.skip(f"native library unavailable: {e}")
     workers, per, rounds = 4, cpu.SMALL_IDS, 30
     planes = make_planes(BIG, 2 * workers * per)  # worker w: sources, then targets
     host = torch.zeros(workers * per, BIG.block_bytes, dtype=torch.uint8)
     originals = snapshot(planes)
-    eng = engine(planes, host, BIG, "native")
+    eng = engine(planes, host, BIG)
     start, errors = threading.Barrier(workers), []
 
     def work(w: int) -> None:
@@ -327,16 +305,12 @@ def raw_call(eng: CpuCopyEngine, dev, host, direction=cpu.TO_HOST, offsets=None)
 
 
 def native_case():
-    """A native engine over 6 device and 4 host blocks, with snapshots of both
-    sides (to prove a refused call touched nothing); skips without the library."""
-    try:
-        cpu.load_native()
-    except RuntimeError as e:
-        pytest.skip(f"native library unavailable: {e}")
+    """An engine over 6 device and 4 host blocks, with snapshots of both sides
+    (to prove a refused call touched nothing)."""
     layout = LAYOUTS["fp8+scales"]
     planes, host = make_planes(layout, 6), make_host(layout, 4)
     return layout, planes, host, snapshot(planes), host.clone(), \
-        engine(planes, host, layout, "native")
+        engine(planes, host, layout)
 
 
 def test_native_library_rejects_bad_ids_itself():
@@ -386,55 +360,128 @@ def test_native_engine_entry_rejects_bad_input_itself():
 
 
 def test_native_call_releases_the_gil():
-    try:
-        lib = cpu.load_native()
-    except RuntimeError as e:
-        pytest.skip(f"native library unavailable: {e}")
     # ctypes drops the GIL around calls through CDLL, never through PyDLL.
-    assert isinstance(lib, ctypes.CDLL) and not isinstance(lib, ctypes.PyDLL)
+    assert isinstance(cpu.LIB, ctypes.CDLL) and not isinstance(cpu.LIB, ctypes.PyDLL)
 
 
-def test_env_forces_the_torch_fallback(monkeypatch):
+def test_the_library_is_the_extension_built_at_install():
+    """cpu_copy.c is compiled by setup.py into kvcached.copy._cpu_copy, next to
+    cpu.py: nothing is compiled at run time, and there is no other copy path."""
+    built = Path(_cpu_copy.__file__)
+    assert built.parent == Path(cpu.__file__).parent
+    assert Path(cpu.LIB._name) == built
     layout = LAYOUTS["fp16"]
-    monkeypatch.setenv("KVCACHED_NO_NATIVE", "1")
-    eng = CpuCopyEngine(make_planes(layout, 2), make_host(layout, 2), layout.host_offsets)
-    assert eng.backend == "torch"
+    eng = engine(make_planes(layout, 2), make_host(layout, 2), layout)
+    assert eng._copy_fn is cpu.LIB.kvc_cpu_engine_copy
+
+
+# ------------------------------------------------- against the reference copy
+@st.composite
+def tasks(draw):
+    """A layout, a thread count and a task: distinct destinations, ids in range,
+    runs of consecutive ids likely (they are what pools hand out)."""
+    name = draw(st.sampled_from(list(LAYOUTS)))
+    num_dev, num_host = draw(st.integers(1, 24)), draw(st.integers(1, 24))
+    n = draw(st.integers(0, min(num_dev, num_host)))
+    if draw(st.booleans()):  # runs
+        d0, h0 = draw(st.integers(0, num_dev - n)), draw(st.integers(0, num_host - n))
+        dev, host = list(range(d0, d0 + n)), list(range(h0, h0 + n))
+    else:
+        dev = draw(st.permutations(range(num_dev)))[:n]
+        host = draw(st.permutations(range(num_host)))[:n]
+    ids_as = draw(st.sampled_from(["list", "tuple", "numpy"]))
+    return name, num_dev, num_host, dev, host, ids_as, draw(st.integers(1, 4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(task=tasks(), seed=st.integers(0, 1 << 16))
+def test_same_bytes_as_the_reference(task, seed):
+    """Both directions, every layout, short and long id lists (the short-list
+    path and the numpy path), any thread count: byte for byte what the
+    reference does, on both sides, padding included."""
+    name, num_dev, num_host, dev, host_ids, ids_as, threads = task
+    layout = LAYOUTS[name]
+    planes, host = make_planes(layout, num_dev, seed), make_host(layout, num_host, seed + 1)
+    ref_planes, ref_host = snapshot(planes), host.clone()
+    eng, ref = engine(planes, host, layout, threads), ReferenceCpuCopy(ref_planes, ref_host,
+                                                                       layout.host_offsets)
+    as_ids = {"list": list, "tuple": tuple, "numpy": np.array}[ids_as]
+    assert eng.swap_out(as_ids(dev), as_ids(host_ids)) == ref.swap_out(dev, host_ids)
+    assert torch.equal(host, ref_host)
+    assert_planes_equal(planes, ref_planes)
+    # Back in over scribbled planes, each block to another's place (reversed).
+    targets = dev[::-1]
+    for p, q in zip(planes, ref_planes, strict=True):
+        p.view(torch.uint8).fill_(seed % 251)
+        q.view(torch.uint8).fill_(seed % 251)
+    assert eng.swap_in(as_ids(host_ids), as_ids(targets)) == ref.swap_in(host_ids, targets)
+    assert_planes_equal(planes, ref_planes)
+    assert torch.equal(host, ref_host)
+
+
+def test_the_reference_is_what_slicing_says():
+    """The oracle itself, on one hand-checked pair: plane p of device block 2
+    lands at host block 1, offset host_offsets[p]; nothing else moves."""
+    layout = LAYOUTS["fp8+scales"]
+    planes, host = make_planes(layout, 3), torch.zeros(2, layout.block_bytes, dtype=torch.uint8)
+    ReferenceCpuCopy(planes, host, layout.host_offsets).swap_out([2], [1])
+    want = torch.zeros_like(host)
+    for p, off in zip(planes, layout.host_offsets, strict=True):
+        raw = p[2].contiguous().view(torch.uint8).flatten()
+        want[1, off:off + raw.numel()] = raw
+    assert torch.equal(host, want) and int(host[0].sum()) == 0
 
 
 # ------------------------------------------------------------------- build
-def test_lazy_build_is_cached(tmp_path, monkeypatch):
-    if native_build.find_compiler() is None:
+# native_build is the CUDA library's lazy builder; a C compiler stands in for nvcc.
+C_FLAGS = ("-O3", "-shared", "-fPIC", "-Wall", "-Werror")
+
+
+def c_compiler() -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
         pytest.skip("no C compiler")
+    return cc
+
+
+def test_lazy_build_is_cached(tmp_path, monkeypatch):
+    cc = c_compiler()
     monkeypatch.setenv("KVCACHED_CACHE_DIR", str(tmp_path / "cache"))
-    src = tmp_path / "lib.c"
-    src.write_text("int kvc_answer(void) { return 42; }\n")
+    src, hdr = tmp_path / "lib.c", tmp_path / "lib.h"
+    hdr.write_text("#define ANSWER 42\n")
+    src.write_text('#include "lib.h"\nint kvc_answer(void) { return ANSWER; }\n')
     count = native_build.compile_count
-    first = build_shared_library("answer", [src])
+    first = build_shared_library("answer", [src], cc, C_FLAGS, headers=[hdr])
     assert native_build.compile_count == count + 1
     mtime = first.stat().st_mtime_ns
-    assert build_shared_library("answer", [src]) == first  # cached: no compiler run
+    assert build_shared_library("answer", [src], cc, C_FLAGS, headers=[hdr]) == first  # cached
     assert native_build.compile_count == count + 1 and first.stat().st_mtime_ns == mtime
     assert ctypes.CDLL(str(first)).kvc_answer() == 42
     assert not [p for p in first.parent.iterdir() if p.name.endswith(".tmp")]
 
-    src.write_text("int kvc_answer(void) { return 43; }\n")  # new source -> new file
-    second = build_shared_library("answer", [src])
+    src.write_text('#include "lib.h"\nint kvc_answer(void) { return ANSWER + 1; }\n')
+    second = build_shared_library("answer", [src], cc, C_FLAGS, headers=[hdr])  # new source
     assert second != first and ctypes.CDLL(str(second)).kvc_answer() == 43
+    hdr.write_text("#define ANSWER 50\n")  # an edited header rebuilds too
+    third = build_shared_library("answer", [src], cc, C_FLAGS, headers=[hdr])
+    assert third not in (first, second) and ctypes.CDLL(str(third)).kvc_answer() == 51
 
 
 def test_build_errors_are_clear(tmp_path, monkeypatch):
-    if native_build.find_compiler() is None:
-        pytest.skip("no C compiler")
+    cc = c_compiler()
     monkeypatch.setenv("KVCACHED_CACHE_DIR", str(tmp_path))
     src = tmp_path / "broken.c"
     src.write_text("int broken(void) { return }\n")
     with pytest.raises(BuildError, match="broken.c"):
-        build_shared_library("broken", [src])
+        build_shared_library("broken", [src], cc, C_FLAGS)
     assert not list(tmp_path.glob("broken-*.so")) and not list(tmp_path.glob(".*tmp"))
-    with pytest.raises(CompilerNotFound):
-        build_shared_library("broken", [src], compiler_cmd="no-such-compiler-kvc")
+    with pytest.raises(CompilerNotFound, match="no-such-compiler-kvc"):
+        build_shared_library("broken", [src], "no-such-compiler-kvc", C_FLAGS)
+    with pytest.raises(ValueError, match="empty command"):
+        build_shared_library("broken", [src], [], C_FLAGS)
+    with pytest.raises(FileNotFoundError, match="missing.h"):
+        build_shared_library("broken", [src], cc, C_FLAGS, headers=[tmp_path / "missing.h"])
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.delenv("CC", raising=False)
     with pytest.raises(CompilerNotFound):
-        build_shared_library("broken", [src])
+        build_shared_library("broken", [src], os.path.basename(cc), C_FLAGS)
     assert os.environ["PATH"].endswith("empty")

@@ -61,6 +61,15 @@ def manager(tmp_path, name: str, fused: bool = True, **kw) -> CacheManager:
     return CacheManager(cfg)
 
 
+def save(mgr: CacheManager, batch) -> int:
+    """Save and wait: how many blocks were copied."""
+    s = mgr.engine_save(batch)
+    if s is None:
+        return 0
+    assert s.handle.wait(30), "a save did not complete"
+    return mgr.engine_finish_save(s)
+
+
 def load(mgr: CacheManager, creq, start: int, stop: int, ids: list[int]) -> list[int]:
     plan = mgr.engine_load(creq, start, stop, ids)
     handles = [mgr.submit(t) for t in plan.tasks]
@@ -94,7 +103,7 @@ def test_save_then_load_into_other_engine_blocks(engine, fused):
     fill(planes, [0, 1, 2, 3, 4], seed=1)
     want = blocks(planes, [0, 1, 2, 3, 4])
     saver = mgr.engine_request(hashes)
-    assert mgr.engine_save([(saver, 5, [0, 1, 2, 3, 4])]) == 5
+    assert save(mgr, [(saver, 5, [0, 1, 2, 3, 4])]) == 5
     mgr.engine_release(saver)
     for p in planes:
         p.zero_()
@@ -112,7 +121,7 @@ def test_a_load_starts_where_the_engine_hit_ends(engine):
     hashes = engine_hashes("a", 4)
     fill(planes, [0, 1, 2, 3], seed=2)
     want = blocks(planes, [2, 3])
-    mgr.engine_save([(mgr.engine_request(hashes), 4, [0, 1, 2, 3])])
+    save(mgr, [(mgr.engine_request(hashes), 4, [0, 1, 2, 3])])
     for p in planes:
         p.zero_()
     reader = mgr.engine_request(hashes)
@@ -125,10 +134,10 @@ def test_a_load_starts_where_the_engine_hit_ends(engine):
 def test_saving_twice_copies_once(engine):
     planes, mgr = engine()
     hashes = engine_hashes("a", 3)
-    assert mgr.engine_save([(mgr.engine_request(hashes), 3, [0, 1, 2])]) == 3
-    assert mgr.engine_save([(mgr.engine_request(hashes), 3, [3, 4, 5])]) == 0
+    assert save(mgr, [(mgr.engine_request(hashes), 3, [0, 1, 2])]) == 3
+    assert save(mgr, [(mgr.engine_request(hashes), 3, [3, 4, 5])]) == 0
     longer = engine_hashes("a", 5)  # the same conversation, two blocks on
-    assert mgr.engine_save([(mgr.engine_request(longer), 5, [0, 1, 2, 6, 7])]) == 2
+    assert save(mgr, [(mgr.engine_request(longer), 5, [0, 1, 2, 6, 7])]) == 2
 
 
 def test_storage_serves_a_new_engine(engine, tmp_path):
@@ -137,7 +146,7 @@ def test_storage_serves_a_new_engine(engine, tmp_path):
     hashes = engine_hashes("s", 4)
     fill(planes, [0, 1, 2, 3], seed=3)
     want = blocks(planes, [0, 1, 2, 3])
-    mgr.engine_save([(mgr.engine_request(hashes), 4, [0, 1, 2, 3])])
+    save(mgr, [(mgr.engine_request(hashes), 4, [0, 1, 2, 3])])
     mgr.planner.wait_background(30)
     mgr.close()
 
@@ -154,7 +163,7 @@ def test_another_model_never_sees_the_kv(engine, tmp_path):
     store = str(tmp_path / "store")
     _, mgr = engine("one", storage_backend="file", storage_url=store, model_id="model-a")
     hashes = engine_hashes("x", 3)
-    mgr.engine_save([(mgr.engine_request(hashes), 3, [0, 1, 2])])
+    save(mgr, [(mgr.engine_request(hashes), 3, [0, 1, 2])])
     mgr.planner.wait_background(30)
     _, other = engine("two", storage_backend="file", storage_url=store, model_id="model-b")
     assert other.engine_lookup(other.engine_request(hashes), 3) == (0, 0)
@@ -163,10 +172,10 @@ def test_another_model_never_sees_the_kv(engine, tmp_path):
 def test_paused_is_a_miss_and_saves_nothing(engine):
     _, mgr = engine()
     hashes = engine_hashes("p", 2)
-    mgr.engine_save([(mgr.engine_request(hashes), 2, [0, 1])])
+    save(mgr, [(mgr.engine_request(hashes), 2, [0, 1])])
     mgr.pause()
     assert mgr.engine_lookup(mgr.engine_request(hashes), 2) == (0, 0)
-    assert mgr.engine_save([(mgr.engine_request(engine_hashes("q", 2)), 2, [2, 3])]) == 0
+    assert save(mgr, [(mgr.engine_request(engine_hashes("q", 2)), 2, [2, 3])]) == 0
     mgr.resume()
     assert mgr.engine_lookup(mgr.engine_request(hashes), 2) == (2, 0)
 
@@ -174,7 +183,7 @@ def test_paused_is_a_miss_and_saves_nothing(engine):
 def test_a_lost_load_names_every_block_it_owed(engine):
     planes, mgr = engine()
     hashes = engine_hashes("l", 3)
-    mgr.engine_save([(mgr.engine_request(hashes), 3, [0, 1, 2])])
+    save(mgr, [(mgr.engine_request(hashes), 3, [0, 1, 2])])
     reader = mgr.engine_request(hashes)
     plan = mgr.engine_load(reader, 0, 3, [4, 5, 6])
     from kvcached.transfer.base import TaskResult

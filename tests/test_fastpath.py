@@ -1,4 +1,5 @@
-"""The worker's native swap fast path (kvcached/transfer/native/swap_wire.c via kvcached.transfer.fastpath).
+"""The worker's native swap fast path (kvcached/transfer/native/swap_wire.c, built at
+install into kvcached.transfer._swap_wire, used through kvcached.transfer.fastpath).
 
 Its contract: it takes exactly the Task frames that ``protocol.quick_wire``
 takes (with at most 64 ids per list), copies exactly what the Python path
@@ -9,19 +10,19 @@ declines (None) anything else without touching memory.
 from __future__ import annotations
 
 import gc
-import logging
 import struct
 import weakref
+from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference.cpu_copy import ReferenceCpuCopy
 
-from kvcached.copy import native_build
 from kvcached.copy.cpu import CpuCopyEngine
-from kvcached.transfer import fastpath
+from kvcached.transfer import _swap_wire, fastpath
 from kvcached.transfer import protocol as P
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
@@ -35,15 +36,8 @@ LIMITS = P.Limits(num_device_blocks=N_DEV, num_host_blocks=N_HOST)
 
 @pytest.fixture(scope="module")
 def wire():
-    """The extension; skipped only where it cannot be built at all."""
-    from kvcached.copy.native_build import find_compiler
-    if find_compiler() is None:
-        pytest.skip("no C compiler: the Python path is what workers run")
-    mod = fastpath.load_native()
-    if mod is None and "Python headers" in (fastpath.native_error() or ""):
-        pytest.skip(fastpath.native_error())
-    assert mod is not None, f"the swap fast path failed to build: {fastpath.native_error()}"
-    return mod
+    """The extension (built at install: there is no build to skip)."""
+    return _swap_wire
 
 
 def parse(wire, raw: bytes, limits: P.Limits = LIMITS):
@@ -61,7 +55,7 @@ def quick(raw: bytes, limits: P.Limits = LIMITS):
 def make_engine(threads: int = 1):
     planes = [torch.randn(N_DEV, 2, 8), torch.randn(N_DEV, 16)]
     host = torch.zeros(N_HOST, 128, dtype=torch.uint8)
-    return CpuCopyEngine(planes, host, [0, 64], threads=threads, native=True)
+    return CpuCopyEngine(planes, host, [0, 64], threads=threads)
 
 
 # ------------------------------------------------------------------- Done
@@ -198,12 +192,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
-def test_serve_copies_what_the_engine_copies(wire, data):
+def test_serve_copies_what_the_reference_copies(wire, data):
     engine = make_engine()
     serve = fastpath.swap_server(engine, 3, LIMITS, 8)
-    twin = make_engine()
-    for p, q in zip(twin.planes, engine.planes, strict=True):
-        p.copy_(q)
+    twin = ReferenceCpuCopy([p.clone() for p in engine.planes], engine.host_pool.clone(),
+                            engine.host_offsets)
     kind = data.draw(st.sampled_from(["swap_out", "swap_in"]))
     n = data.draw(st.integers(1, 8))
     dev = data.draw(st.lists(st.integers(0, N_DEV - 1), min_size=n, max_size=n, unique=True))
@@ -264,30 +257,21 @@ def test_serve_keeps_its_engine_alive(wire):
     assert gone() is None
 
 
-def test_no_server_without_the_native_engine(wire, monkeypatch):
-    planes = [torch.randn(N_DEV, 16)]
-    torch_engine = CpuCopyEngine(planes, torch.zeros(N_HOST, 64, dtype=torch.uint8), [0],
-                                 native=False)
-    assert fastpath.swap_server(torch_engine, 0, LIMITS, 8) is None
-    assert fastpath.swap_server(None, 0, LIMITS, 8) is None  # no host pool
-    monkeypatch.setattr(fastpath, "_native", fastpath._UNTRIED)
-    monkeypatch.setenv("KVCACHED_NO_NATIVE", "1")
-    assert fastpath.swap_server(make_engine(), 0, LIMITS, 8) is None
-    assert "KVCACHED_NO_NATIVE" in fastpath.native_error()
+def test_no_server_without_the_cpu_copy_engine(wire):
+    """The CUDA engine (no native_handles) and a rank without a host pool (no
+    engine) get no server: every task of theirs takes the Python path."""
+    from kvcached.copy.cuda import CudaCopyEngine  # importing builds nothing
+    assert not hasattr(CudaCopyEngine, "native_handles")
+    assert fastpath.swap_server(None, 0, LIMITS, 8) is None
+    assert fastpath.swap_server(object(), 0, LIMITS, 8) is None
+    assert fastpath.swap_server(make_engine(), 0, LIMITS, 8) is not None
 
 
-def test_a_failed_build_warns_once_and_serves_from_python(wire, monkeypatch, caplog):
-    def fail(*args, **kwargs):
-        raise native_build.BuildError("cc: error: boom")
-    monkeypatch.setattr(fastpath, "_native", fastpath._UNTRIED)
-    monkeypatch.setattr(native_build, "import_extension", fail)
-    monkeypatch.delenv("KVCACHED_NO_NATIVE", raising=False)
-    with caplog.at_level(logging.WARNING):
-        assert fastpath.swap_server(make_engine(), 0, LIMITS, 8) is None
-        assert fastpath.swap_server(make_engine(), 0, LIMITS, 8) is None
-    assert [r.message for r in caplog.records if "unavailable" in r.message] == [
-        "native swap fast path unavailable, using the slower Python path (same results): "
-        "BuildError: cc: error: boom"]
+def test_the_extension_is_built_at_install(wire):
+    """swap_wire.c is compiled by setup.py next to fastpath.py; nothing is
+    compiled at run time."""
+    assert Path(wire.__file__).parent == Path(fastpath.__file__).parent
+    assert wire.__name__ == "kvcached.transfer._swap_wire"
 
 
 def test_server_arguments_are_checked(wire):

@@ -182,3 +182,37 @@ def test_cuda_ipc_path(model, tmp_path):
     assert cold["outputs"] == warm["outputs"] == generated(plain)[0]["outputs"]
     assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
     assert res["steps"][-1]["status"]["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
+
+
+def test_workers_from_kvcached_launch(model, baseline, tmp_path):
+    """Sidecar workers: vLLM (spawn_workers = false) waits for them; the operator
+    starts `kvcached launch --run-dir` once vLLM wrote its config there."""
+    import time
+    run_dir = tmp_path / "run"
+    extra = {"num_cpu_blocks": 256, "run_dir": str(run_dir), "spawn_workers": False,
+             "worker_start_timeout_s": 300}
+    spec = {"model": model, "extra": extra, "prompts": PROMPTS,
+            "steps": [["generate", "p"], ["reset"], ["generate", "p"]]}
+    app = subprocess.Popen([sys.executable, str(APP), json.dumps(spec)], text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher = None
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not (run_dir / "config.json").is_file():
+            assert app.poll() is None, f"vLLM exited early:\n{app.stderr.read()[-5000:]}"
+            assert time.monotonic() < deadline, "vLLM never wrote its kvcached config"
+            time.sleep(0.2)
+        launcher = subprocess.Popen([sys.executable, "-m", "kvcached", "launch", "--run-dir",
+                                     str(run_dir)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+        out, err = app.communicate(timeout=DEADLINE_S)
+        assert app.returncode == 0, err[-5000:]
+    finally:
+        app.kill()
+        if launcher is not None:
+            launcher.terminate()
+            launcher.wait(timeout=30)
+    res = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
+    cold, warm = generated(res)
+    assert cold["outputs"] == warm["outputs"] == baseline
+    assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]

@@ -5,13 +5,11 @@ block, each block one contiguous run of bytes); the host side is the
 block-major pool ``[num_cpu_blocks, block_bytes]`` with plane p of a block at
 ``host_offsets[p]`` (see ``kvcached.layout``).
 
-Two backends do the same thing:
-
-- ``native``: ``kvcached/copy/native/cpu_copy.c``, built lazily and called through ctypes,
-  which releases the GIL for the call; memcpy per block-plane, optionally
-  split over pthreads. About memcpy speed.
-- ``torch``: ``copy_`` between byte views, one per run of consecutive ids
-  and plane; used when no compiler is available or ``KVCACHED_NO_NATIVE=1``.
+The copy is ``kvcached/copy/native/cpu_copy.c``: memcpy per block-plane,
+optionally split over pthreads, about memcpy speed. It is compiled at install
+into the extension ``kvcached.copy._cpu_copy`` (setup.py) and called through
+ctypes, which releases the GIL for the call, so a worker's other threads keep
+running while blocks move.
 
 Every id is checked before any byte moves: a bad id raises ValueError naming
 it, and neither side is touched. The C library checks again on its own.
@@ -20,27 +18,17 @@ it, and neither side is touched. The C library checks again on its own.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from collections.abc import Sequence
 from itertools import pairwise
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvcached.copy.native_build import build_shared_library, native_disabled
+from kvcached.copy import _cpu_copy  # built at install (setup.py): cpu_copy.c
 
-logger = logging.getLogger(__name__)
-
-NATIVE_SOURCE = Path(__file__).resolve().parent / "native" / "cpu_copy.c"
-NATIVE_FLAGS = ("-std=c11", "-Wextra", "-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-pthread")
 TO_HOST, TO_DEVICE = 0, 1  # directions understood by kvc_cpu_copy
 ERR_DEVICE_ID, ERR_HOST_ID = -4, -5  # kvc_cpu_copy codes that carry the index of the bad id
-
-_lib_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None  # why the native library is unavailable: not retried
 SMALL_IDS = 16  # id lists up to this long are checked in plain Python (no numpy)
 
 
@@ -69,28 +57,10 @@ def _new_id_buffers() -> tuple:
     return _IdBuffer(), _IdBuffer(), err, ctypes.byref(err)
 
 
-def load_native() -> ctypes.CDLL:
-    """Build (once, cached on disk) and load the native copy library.
-
-    Raises RuntimeError saying why when it cannot be built or loaded; the
-    failure is remembered so later calls don't retry the compiler.
-    """
-    global _lib, _lib_error
-    with _lib_lock:
-        if _lib is None and _lib_error is None:
-            try:
-                _lib = _open_library(build_shared_library("kvc_cpu_copy", [NATIVE_SOURCE],
-                                                          flags=NATIVE_FLAGS))
-            except (OSError, RuntimeError) as e:
-                _lib_error = f"{type(e).__name__}: {e}"
-        if _lib is None:
-            raise RuntimeError(f"native CPU copy library unavailable: {_lib_error}")
-        return _lib
-
-
-def _open_library(path: Path) -> ctypes.CDLL:
+def _open_library(path: str) -> ctypes.CDLL:
+    """The C API of the built extension file (its Python module is empty)."""
     # CDLL (not PyDLL): ctypes drops the GIL for the duration of every call.
-    lib = ctypes.CDLL(str(path))
+    lib = ctypes.CDLL(path)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.kvc_cpu_copy.argtypes = [ptr, ptr, ptr, ptr, i32, i64, ptr, i64, i64,
                                  ptr, ptr, i64, i32, i32, ptr]
@@ -104,17 +74,17 @@ def _open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+LIB = _open_library(_cpu_copy.__file__)
+
+
 class CpuCopyEngine:
     """Copies blocks between ``planes`` and ``host_pool`` for all planes in one call.
 
-    ``native=None`` uses the native library when it builds and loads, else
-    the torch fallback (warned once); ``True`` requires it; ``False`` never
-    uses it. ``KVCACHED_NO_NATIVE=1`` forces the fallback unless ``native=True``.
-    ``threads`` only affects the native backend (large copies are split).
+    ``threads``: large copies are split over up to this many threads.
     """
 
     def __init__(self, planes: list[torch.Tensor], host_pool: torch.Tensor,
-                 host_offsets: Sequence[int], threads: int = 1, native: bool | None = None):
+                 host_offsets: Sequence[int], threads: int = 1):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         self.threads = threads
@@ -127,11 +97,8 @@ class CpuCopyEngine:
         self.stride_bytes = [p.stride(0) * e for p, e in zip(self.planes, elem, strict=True)]
         self.host_offsets = _check_offsets(host_offsets, self.plane_bytes, self.host_block_bytes)
         self._bytes_per_block = sum(self.plane_bytes)
-        self.backend = self._pick_backend(native)
-        if self.backend == "native":
-            self._init_native()
-        else:
-            self._init_torch()
+        self._lib = LIB
+        self._init_native()
 
     # ------------------------------------------------------------ public API
     @property
@@ -139,12 +106,9 @@ class CpuCopyEngine:
         """Payload bytes moved per block (all planes, without host padding)."""
         return self._bytes_per_block
 
-    def native_handles(self) -> tuple[int, int] | None:
+    def native_handles(self) -> tuple[int, int]:
         """Addresses of the engine's C struct and of ``kvc_cpu_engine_copy``, for a
-        native caller that keeps this engine alive (kvcached.transfer.fastpath);
-        None on the torch fallback."""
-        if self.backend != "native":
-            return None
+        native caller that keeps this engine alive (kvcached.transfer.fastpath)."""
         return (ctypes.addressof(self._engine),
                 ctypes.cast(self._copy_fn, ctypes.c_void_p).value)
 
@@ -170,7 +134,7 @@ class CpuCopyEngine:
         which checks everything and words the errors. The id buffers are the
         calling thread's own, reused across calls."""
         n = len(dev)
-        if (self.backend != "native" or type(dev) is not list or type(host) is not list
+        if (type(dev) is not list or type(host) is not list
                 or not 0 < n <= SMALL_IDS or len(host) != n or (n > 1 and len(set(dst)) != n)):
             return False
         nd, nh = self.num_device_blocks, self.num_host_blocks
@@ -205,25 +169,10 @@ class CpuCopyEngine:
     def _copy(self, dev: np.ndarray, host: np.ndarray, direction: int) -> int:
         if dev.size == 0:
             return 0
-        if self.backend == "native":
-            self._copy_native(dev, host, direction)
-        else:
-            self._copy_torch(dev, host, direction)
+        self._copy_native(dev, host, direction)
         return int(dev.size) * self.bytes_per_block
 
     # ---------------------------------------------------------------- native
-    def _pick_backend(self, native: bool | None) -> str:
-        if native is False or (native is None and native_disabled()):
-            return "torch"
-        try:
-            self._lib = load_native()
-        except RuntimeError as e:
-            if native:
-                raise
-            _warn_fallback_once(str(e))
-            return "torch"
-        return "native"
-
     def _init_native(self) -> None:
         # Pointer tables built once and kept alive as attributes: the engine
         # struct only holds their addresses. Each call passes the struct by
@@ -256,25 +205,6 @@ class CpuCopyEngine:
                                       np.asarray(host, dtype=np.int64),
                                       self.num_device_blocks, self.num_host_blocks))
 
-    # ----------------------------------------------------------------- torch
-    def _init_torch(self) -> None:
-        # Byte views [num_blocks, plane_bytes] over each plane and over the host
-        # pool's slot of that plane: copy_ between them allocates nothing.
-        self._dev_views = [_byte_view(p, nb) for p, nb in zip(self.planes, self.plane_bytes,
-                                                               strict=True)]
-        self._host_views = [self.host_pool[:, off:off + nb]
-                            for off, nb in zip(self.host_offsets, self.plane_bytes, strict=True)]
-
-    def _copy_torch(self, dev: np.ndarray, host: np.ndarray, direction: int) -> None:
-        # One copy_ per run of ids consecutive on both sides: far fewer Python
-        # round trips than per block when the pools hand out neighbours.
-        for d0, h0, n in _runs(dev, host):
-            for dv, hv in zip(self._dev_views, self._host_views, strict=True):
-                src, dst = dv[d0:d0 + n], hv[h0:h0 + n]
-                if direction == TO_DEVICE:
-                    src, dst = dst, src
-                dst.copy_(src)
-
 
 # -------------------------------------------------------------------- helpers
 def native_error(lib: ctypes.CDLL, rc: int, index: int, dev: np.ndarray, host: np.ndarray,
@@ -288,16 +218,6 @@ def native_error(lib: ctypes.CDLL, rc: int, index: int, dev: np.ndarray, host: n
     elif index >= 0:
         msg += f" at index {index}"
     return msg
-
-
-def _warn_fallback_once(reason: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        logger.warning("using the torch CPU copy fallback (slower): %s", reason)
-
-
-_warned = False
 
 
 def _numel(t: torch.Tensor) -> int:
@@ -405,30 +325,3 @@ def _check_unique(ids: np.ndarray, side: str) -> None:
             raise ValueError(f"{side} block id {b} is a destination twice (indices "
                              f"{first_seen[b]} and {i}); destination ids must be distinct")
         first_seen[b] = i
-
-
-def _runs(dev: np.ndarray, host: np.ndarray) -> list[tuple[int, int, int]]:
-    """Split pairs into (device start, host start, length) runs consecutive on both sides.
-
-    Plain Python: tasks are short and numpy's per-call cost dominates for them.
-    """
-    runs: list[tuple[int, int, int]] = []
-    d0 = h0 = n = 0
-    for d, h in zip(dev.tolist(), host.tolist(), strict=True):
-        if n and d == d0 + n and h == h0 + n:
-            n += 1
-            continue
-        if n:
-            runs.append((d0, h0, n))
-        d0, h0, n = d, h, 1
-    if n:
-        runs.append((d0, h0, n))
-    return runs
-
-
-def _byte_view(plane: torch.Tensor, plane_bytes: int) -> torch.Tensor:
-    """uint8 view ``[num_blocks, plane_bytes]`` of a plane, any dtype, padded stride allowed."""
-    elem = plane.element_size()
-    raw = torch.empty(0, dtype=torch.uint8).set_(plane.untyped_storage())
-    return raw.as_strided((plane.size(0), plane_bytes), (plane.stride(0) * elem, 1),
-                          plane.storage_offset() * elem)

@@ -2,11 +2,13 @@
 
 The native side is ``cuda/kv_copy.cu`` (C API in ``cuda/kv_copy.h``): a copy
 kernel with no framework headers, a launcher that validates every input
-before its first CUDA call, and thin CUDA runtime helpers. It is built by
-``nvcc`` (sm_80 + sm_90 + PTX, cudart linked statically so the library loads
-on a machine without libcudart or a driver) lazily on first use and cached by
-:mod:`kvcached.copy.native_build`, or ahead of time with
-``python -m kvcached.copy.cuda --build``.
+before its first CUDA call, and thin CUDA runtime helpers. The sources ship
+with the package (setup.py's build_py copies them into
+``kvcached/copy/cuda_src/``; an editable install reads the checkout's
+``cuda/``). It is built by ``nvcc`` (sm_80 + sm_90 + PTX, cudart linked
+statically so the library loads on a machine without libcudart or a driver)
+lazily on first use and cached by :mod:`kvcached.copy.native_build`, or ahead
+of time with ``python -m kvcached.copy.cuda --build``.
 
 Three modes move the same bytes, chosen per direction:
 
@@ -39,7 +41,6 @@ import argparse
 import ctypes
 import ctypes.util
 import enum
-import hashlib
 import json
 import logging
 import os
@@ -56,7 +57,22 @@ from kvcached.copy.native_build import BuildError, build_shared_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda"
+SOURCE_NAMES = ("kv_copy.cu", "kv_copy.h")
+
+
+def _source_dir() -> Path:
+    """Where the CUDA sources are: in the installed package (``cuda_src/``, put
+    there by setup.py's build_py), else in the checkout's ``cuda/`` (an
+    editable install, or the source tree on sys.path)."""
+    here = Path(__file__).resolve().parent
+    candidates = (here / "cuda_src", here.parents[1] / "cuda")
+    for d in candidates:
+        if all((d / n).is_file() for n in SOURCE_NAMES):
+            return d
+    return candidates[0]  # missing: the build names the file it could not find
+
+
+SOURCE_DIR = _source_dir()
 SOURCE = SOURCE_DIR / "kv_copy.cu"
 HEADER = SOURCE_DIR / "kv_copy.h"
 LIB_NAME = "kvc_cuda_copy"
@@ -243,9 +259,7 @@ def nvcc_flags(archs: Sequence[str], werror: bool = True) -> list[str]:
     flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
     if werror:
         flags += ["-Werror", "all-warnings", "-Xcompiler", "-Werror"]
-    # native_build hashes only the .cu; fold the header in so editing it rebuilds.
-    digest = hashlib.blake2b(HEADER.read_bytes(), digest_size=6).hexdigest()
-    return flags + [f"-DKVC_HEADER_DIGEST=0x{digest}"]
+    return flags
 
 
 @dataclass(frozen=True)
@@ -272,11 +286,13 @@ def build(archs: Sequence[str] | None = None) -> BuildInfo:
                            "the CUDA copy kernel")
     archs = tuple(archs or cuda_archs())
     try:
-        path = build_shared_library(LIB_NAME, [SOURCE], [nvcc], flags=nvcc_flags(archs, True))
+        path = build_shared_library(LIB_NAME, [SOURCE], [nvcc], nvcc_flags(archs, True),
+                                    headers=[HEADER])
         return BuildInfo(path, nvcc, archs, True)
     except BuildError as e:
         logger.warning("CUDA copy library failed to build with -Werror; retrying without: %s", e)
-    path = build_shared_library(LIB_NAME, [SOURCE], [nvcc], flags=nvcc_flags(archs, False))
+    path = build_shared_library(LIB_NAME, [SOURCE], [nvcc], nvcc_flags(archs, False),
+                                headers=[HEADER])
     return BuildInfo(path, nvcc, archs, False)
 
 

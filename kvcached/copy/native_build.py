@@ -1,34 +1,29 @@
-"""Lazy, cached builds of kvcached's small native libraries (C now, nvcc later).
+"""Lazy, cached builds of the CUDA copy library (kvcached.copy.cuda, with nvcc).
 
-A library is compiled on first use with the system compiler into a cache
-directory (``$KVCACHED_CACHE_DIR``, else ``~/.cache/kvcached``). The file name
-carries a hash of the sources, the flags and the compiler, so an edited source
-or another compiler gets a fresh build while an unchanged one is reused
-without running the compiler. The build writes a temp file and renames it
-into place: processes that build at the same time never load a half-written
-library (each may compile once; the last rename wins with identical bytes).
+The C extensions are compiled at install (setup.py); the CUDA library is not,
+since most machines that install kvcached have no nvcc. It is compiled on
+first use into a cache directory (``$KVCACHED_CACHE_DIR``, else
+``~/.cache/kvcached``). The file name carries a hash of the sources, the
+headers they include, the flags and the compiler, so an edited source or
+another compiler gets a fresh build while an unchanged one is reused without
+running the compiler. The build writes a temp file and renames it into place:
+processes that build at the same time never load a half-written library
+(each may compile once; the last rename wins with identical bytes).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import os
 import shutil
 import subprocess
-import sys
-import sysconfig
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-pthread")
-COMPILER_CANDIDATES: tuple[str, ...] = ("cc", "gcc")
 BUILD_TIMEOUT_S = 600.0  # nvcc on a large kernel can take minutes
 
 # Compiler runs in this process; tests read it to prove a cached build is reused.
@@ -36,7 +31,7 @@ compile_count = 0
 
 
 class CompilerNotFound(RuntimeError):
-    """No usable compiler: callers fall back to a non-native path."""
+    """The compiler named is not on PATH."""
 
 
 class BuildError(RuntimeError):
@@ -49,29 +44,17 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "kvcached"
 
 
-def find_compiler(candidates: Sequence[str] = COMPILER_CANDIDATES) -> str | None:
-    """Absolute path of the first compiler found (``$CC`` first), or None."""
-    env_cc = os.environ.get("CC")
-    for name in ([env_cc] if env_cc else []) + list(candidates):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def build_shared_library(name: str, sources: Sequence[str | os.PathLike],
-                         compiler_cmd: Sequence[str] | str | None = None,
-                         flags: Sequence[str] = DEFAULT_FLAGS,
+                         compiler_cmd: Sequence[str] | str, flags: Sequence[str],
                          headers: Sequence[str | os.PathLike] = ()) -> Path:
     """Compile ``sources`` into ``<cache>/<name>-<hash>.so`` unless already built; return it.
 
-    ``headers`` the sources include are part of the hash (not compiled), so an
-    edited header rebuilds too.
-
-    ``compiler_cmd`` is the compiler and any leading arguments (``["nvcc"]``,
-    ``"gcc"``); None picks ``$CC``, ``cc`` or ``gcc``. Raises CompilerNotFound
-    when there is no compiler, BuildError (with the compiler output) when the
-    build fails, FileNotFoundError when a source is missing.
+    ``compiler_cmd`` is the compiler and any leading arguments (``["nvcc"]``);
+    ``flags`` must make a shared library (``-shared`` and what else the
+    compiler needs). ``headers`` the sources include are part of the hash (not
+    compiled), so an edited header rebuilds too. Raises CompilerNotFound when
+    the compiler is not on PATH, BuildError (with the compiler output) when
+    the build fails, FileNotFoundError when a source or header is missing.
     """
     cmd = _resolve_compiler(compiler_cmd)
     srcs = [Path(s).resolve() for s in sources]
@@ -88,64 +71,7 @@ def build_shared_library(name: str, sources: Sequence[str | os.PathLike],
     return target
 
 
-def import_extension(module: str, source: str | os.PathLike | Sequence[str | os.PathLike],
-                     stem: str, headers: Sequence[str | os.PathLike] = ()) -> ModuleType:
-    """Build ``source`` (a CPython extension whose ``PyInit_`` matches the last part
-    of ``module``; or a list of the files that make it up, with the ``headers``
-    they share) into ``<cache>/<stem><abi>-<hash>.so`` unless already built, and
-    load it. Raises like ``build_shared_library``, and CompilerNotFound when the
-    Python headers are missing, ImportError when the library does not load."""
-    include = sysconfig.get_paths()["include"]
-    if not (Path(include) / "Python.h").is_file():
-        raise CompilerNotFound(f"Python headers not found ({include}/Python.h); install the "
-                               f"python{sys.version_info[0]}.{sys.version_info[1]}-dev package "
-                               f"to build {stem}")
-    flags = ["-O3", "-shared", "-fPIC", "-Wall", "-Werror", "-fvisibility=hidden", f"-I{include}"]
-    if sys.platform == "darwin":
-        flags += ["-undefined", "dynamic_lookup"]
-    # The ABI tag goes into the file name: another Python gets its own build.
-    tag = (sysconfig.get_config_var("EXT_SUFFIX") or ".so").removesuffix(".so")
-    sources = [source] if isinstance(source, (str, os.PathLike)) else list(source)
-    path = build_shared_library(f"{stem}{tag}", sources, flags=flags, headers=headers)
-    loader = importlib.machinery.ExtensionFileLoader(module, str(path))
-    spec = importlib.util.spec_from_file_location(module, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path} as {module}")
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
-def native_disabled() -> bool:
-    """True when ``KVCACHED_NO_NATIVE`` asks every native piece for its fallback."""
-    return os.environ.get("KVCACHED_NO_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def try_import_extension(module: str, source: str | os.PathLike | Sequence[str | os.PathLike],
-                         stem: str, what: str, headers: Sequence[str | os.PathLike] = ()
-                         ) -> tuple[ModuleType | None, str | None]:
-    """``(import_extension(...), None)``, or ``(None, why)`` when ``KVCACHED_NO_NATIVE``
-    is set or the build or load fails; a failure is logged once, as a warning
-    that names ``what`` falls back to its Python path."""
-    if native_disabled():
-        return None, "disabled by KVCACHED_NO_NATIVE"
-    try:
-        return import_extension(module, source, stem, headers), None
-    except (OSError, RuntimeError, ImportError) as e:
-        why = f"{type(e).__name__}: {e}"
-        logger.warning("%s unavailable, using the slower Python path (same results): %s",
-                       what, why)
-        return None, why
-
-
-def _resolve_compiler(compiler_cmd: Sequence[str] | str | None) -> list[str]:
-    if compiler_cmd is None:
-        found = find_compiler()
-        if found is None:
-            raise CompilerNotFound(
-                f"no C compiler found (tried $CC, {', '.join(COMPILER_CANDIDATES)}); "
-                "install gcc or set CC to build the native copy library")
-        return [found]
+def _resolve_compiler(compiler_cmd: Sequence[str] | str) -> list[str]:
     cmd = [compiler_cmd] if isinstance(compiler_cmd, str) else list(compiler_cmd)
     if not cmd:
         raise ValueError("compiler_cmd must name a compiler, got an empty command")

@@ -65,6 +65,18 @@ class EngineLoad:
     missing: list[int] = field(default_factory=list)
 
 
+@dataclass
+class EngineSave:
+    """A save of engine blocks into the CPU tier, in flight: one swap_out task
+    (``handle``) for (request, nodes, positions) ``plans``."""
+
+    handle: TaskHandle | None = None
+    plans: list[tuple[object, list[int], list[int]]] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
 class CacheManager:
     """Prefix-cache manager (see DESIGN.md §10 for the contract)."""
 
@@ -637,38 +649,43 @@ class CacheManager:
             self._publish_events()
             return sorted(bad)
 
-    def engine_save(self, saves: list[tuple[object, int, list[int]]]) -> int:
-        """Save the engine's computed blocks into the CPU tier: for each (request,
-        blocks, device_ids), blocks ``0..blocks-1`` that the CPU tier lacks are
-        copied from the engine's blocks in one swap_out task, waited for (the
-        engine may reuse a freed block from its next forward on); then
-        written through to storage. Returns how many blocks were copied."""
+    def engine_save(self, saves: list[tuple[object, int, list[int]]]) -> EngineSave | None:
+        """Start saving the engine's computed blocks into the CPU tier: for each
+        (request, blocks, device_ids), blocks ``0..blocks-1`` that the CPU tier
+        lacks are copied from the engine's blocks, all in one swap_out task.
+        Returns the save in flight (None: nothing to copy); the engine keeps the
+        blocks unchanged until it completes, then calls ``engine_finish_save``."""
         with self._lock:
             self.planner.reap()
             if self.planner.paused or not self.cpu_enabled:
-                return 0
-            plans, src, dst = [], [], []
+                return None
+            save = EngineSave()
+            src, dst = [], []
             for creq, blocks, device_ids in saves:
                 nodes, cpus, positions = self.core.ext_save(creq, blocks)
                 if nodes:
-                    plans.append((creq, nodes, positions))
+                    save.plans.append((creq, nodes, positions))
                     src += [device_ids[k] for k in positions]
                     dst += cpus
-            if not plans:
-                return 0
-            ok = True
-            try:
-                h = self.planner.submit(Task("swap_out", src, dst))
-                ok = self.planner.await_all([h], self.cfg.task_timeout_s + 5.0)[0].ok
-            except TimeoutError:
-                ok = False
-            for creq, nodes, positions in plans:
+            if not save.plans:
+                return None
+            save.handle = self.planner.submit(Task("swap_out", src, dst))
+            return save
+
+    def engine_finish_save(self, save: EngineSave) -> int:
+        """Land a save whose task completed (the copies become CPU-tier blocks,
+        written through to storage) or failed (a counter; nothing is cached).
+        Returns how many blocks were saved."""
+        with self._lock:
+            ok = save.handle.result is not None and save.handle.result.ok
+            for creq, nodes, positions in save.plans:
                 self.core.ext_finish_save(creq, nodes, positions, ok)
-            self._counters.storage["saves_failed" if not ok else "saves"] += len(src)
+            n = len(save.handle.task.src)
+            self._counters.storage["saves" if ok else "saves_failed"] += n
             if ok and self.planner.storage_usable():
-                self.planner.store_engine_blocks([creq for creq, _, _ in plans])
+                self.planner.store_engine_blocks([creq for creq, _, _ in save.plans])
             self._publish_events()
-            return len(src) if ok else 0
+            return n if ok else 0
 
     def engine_release(self, creq) -> None:
         """The engine is done with the request (finished, or preempted: it starts over)."""
@@ -677,11 +694,13 @@ class CacheManager:
             self.core.unref_path(creq)
             self._publish_events()
 
-    def count_engine_request(self, prompt_tokens: int, cpu_tokens: int,
+    def count_engine_request(self, prompt_tokens: int, gpu_tokens: int, cpu_tokens: int,
                              storage_tokens: int) -> None:
-        """Count a request the engine admitted, with the tokens each tier gave it."""
+        """Count a request the engine admitted, with the tokens each tier gave it
+        (``gpu_tokens``: the engine's own prefix cache)."""
         with self._lock:
-            self._counters.count_request(prompt_tokens, HitInfo(0, cpu_tokens, storage_tokens))
+            self._counters.count_request(prompt_tokens,
+                                         HitInfo(gpu_tokens, cpu_tokens, storage_tokens))
 
     def submit(self, task: Task) -> TaskHandle:
         """Submit a task (counted in the stats); its completion is the caller's."""

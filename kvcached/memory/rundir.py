@@ -66,6 +66,9 @@ def create_run_dir(configured: str) -> tuple[Path, bool]:
     if configured:
         path = Path(configured)
         path.mkdir(parents=True, exist_ok=True)
+        if path.stat().st_uid != os.getuid():  # another user's sockets and descriptors
+            raise PermissionError(f"run dir {path} belongs to another user (uid "
+                                  f"{path.stat().st_uid}); choose a run_dir of your own")
         own = False
     else:
         path = Path(tempfile.mkdtemp(prefix=PREFIX))

@@ -144,13 +144,14 @@ def demo(requests: int | None, seed: int, serve: bool, run_dir: str | None,
 # ------------------------------------------------------------------ launch
 @main.command()
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              required=True, help="TOML config shared with the engine (spawn_workers = false)")
+              default=None, help="TOML config shared with the engine (spawn_workers = false); "
+              "default: the config the running engine wrote into --run-dir (vLLM)")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               envvar="KVCACHED_RUN_DIR", help="the engine's run directory (default: run_dir "
               "in the config)")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None,
               help="give up after this many consecutive crashes of a rank (default: never)")
-def launch(config_path: str, run_dir: str | None, max_restarts: int | None) -> None:
+def launch(config_path: str | None, run_dir: str | None, max_restarts: int | None) -> None:
     """Run one transfer worker per rank as a supervised group, in the foreground.
 
     For engines configured with spawn_workers = false (workers as their own

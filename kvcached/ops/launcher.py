@@ -27,6 +27,7 @@ without cleaning up.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -59,12 +60,13 @@ class _Rank:
 class Launcher:
     """Starts, watches and stops the workers of every rank of one run directory."""
 
-    def __init__(self, cfg: CacheConfig, config_path: str | os.PathLike, run_dir,
+    def __init__(self, cfg: CacheConfig, config_path: str | os.PathLike | None, run_dir,
                  max_restarts: int | None = None, base_backoff_s: float = 0.2,
                  max_backoff_s: float = 10.0, stable_s: float = STABLE_S,
                  poll_s: float = 0.1, stop_grace_s: float = 5.0):
         self.cfg = cfg
-        self.config_path = Path(config_path).resolve()
+        # None: the workers read the config the engine wrote (run_dir/config.json)
+        self.config_path = Path(config_path).resolve() if config_path else None
         self.run_dir = Path(run_dir).resolve()
         self.max_restarts = max_restarts
         self.base_backoff_s = base_backoff_s
@@ -146,8 +148,9 @@ class Launcher:
         if r.proc is not None:
             r.restarts += 1
         cmd = [sys.executable, "-m", "kvcached", "worker", "--rank", str(r.rank),
-               "--run-dir", str(self.run_dir), "--config", str(self.config_path),
-               "--restarts", str(r.restarts)]
+               "--run-dir", str(self.run_dir), "--restarts", str(r.restarts)]
+        if self.config_path:
+            cmd += ["--config", str(self.config_path)]
         with open(self.log_dir / f"worker-rank{r.rank}.stderr", "ab") as err:
             r.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=err, start_new_session=True,
@@ -197,11 +200,29 @@ def _die_with_parent(parent_pid: int):
     return set_pdeathsig
 
 
-def launch(config_path: str, run_dir: str | None, max_restarts: int | None = None) -> int:
-    """Entry point of ``kvcached launch``: load the config, log, supervise."""
+def _engine_config(run_dir: str | None) -> CacheConfig:
+    from kvcached.transfer.endpoints import CONFIG_FILE
+    if not run_dir:
+        raise ValueError("launch needs --config, or --run-dir of a running engine (it reads "
+                         f"the engine's {CONFIG_FILE} there)")
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"no {CONFIG_FILE} in {run_dir}: start the engine (with "
+                         "spawn_workers = false) first, or pass --config")
+    cfg = CacheConfig.from_dict(json.loads(path.read_text()), check_host_memory=False)
+    return cfg.replace(run_dir=str(run_dir))
+
+
+def launch(config_path: str | None, run_dir: str | None,
+           max_restarts: int | None = None) -> int:
+    """Entry point of ``kvcached launch``: load the config, log, supervise.
+    Without ``config_path`` the config is the one the running engine wrote into
+    its run directory (an engine that derives it, as vLLM's connector does)."""
     from kvcached.ops.logs import setup_process_logging
-    overrides = {"run_dir": run_dir} if run_dir else {}
-    cfg = CacheConfig.load(config_path, **overrides)
+    if config_path is None:
+        cfg = _engine_config(run_dir)
+    else:
+        cfg = CacheConfig.load(config_path, **({"run_dir": run_dir} if run_dir else {}))
     if not cfg.run_dir:
         raise ValueError("launch needs the run directory the engine uses: pass --run-dir, "
                          "set KVCACHED_RUN_DIR, or set run_dir in the config")

@@ -497,10 +497,4 @@ def _prepare(cfg: CacheConfig) -> None:
     import kvcached.memory.hostpool  # noqa: F401 (torch)
     import kvcached.memory.kvshare  # noqa: F401
     if cfg.device == "cpu" and cfg.num_cpu_blocks:
-        from kvcached.copy import cpu
-        try:
-            cpu.load_native()
-        except RuntimeError:
-            pass  # the copy engine falls back (and says so) when it is built
-        from kvcached.transfer.fastpath import load_native
-        load_native()
+        import kvcached.copy.cpu  # noqa: F401 (opens the native copy library)

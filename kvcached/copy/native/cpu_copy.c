@@ -13,13 +13,22 @@
  *                            plane_bytes[p] contiguous bytes
  *   host block h, plane p:   host + h * host_block_bytes + host_offsets[p]
  *
- * Build: cc -std=c11 -O3 -shared -fPIC -Wall -Werror -pthread cpu_copy.c
+ * Built at install by setup.py, with cpu_copy_module.c, into the extension
+ * kvcached.copy._cpu_copy (-O3 -std=c11 -Wall -Wextra -Werror -pthread);
+ * kvcached/copy/cpu.py opens that file with ctypes.CDLL.
  */
 #define _POSIX_C_SOURCE 200809L
 
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+/* The C API stays visible whatever visibility the build defaults to. */
+#if defined(__GNUC__)
+#define KVC_API __attribute__((visibility("default")))
+#else
+#define KVC_API
+#endif
 
 #define KVC_OK 0
 #define KVC_ERR_NULL (-1)          /* a required pointer is NULL */
@@ -72,7 +81,7 @@ typedef struct {
     int64_t end;
 } kvc_chunk;
 
-const char* kvc_cpu_copy_strerror(int code) {
+KVC_API const char* kvc_cpu_copy_strerror(int code) {
     switch (code) {
         case KVC_OK: return "ok";
         case KVC_ERR_NULL: return "a required pointer argument is NULL";
@@ -170,6 +179,7 @@ static void run_threaded(const kvc_task* t, int64_t items, int64_t threads) {
     }
 }
 
+KVC_API
 int kvc_cpu_copy(const uint64_t* plane_ptrs, const int64_t* plane_stride_bytes,
                  const int64_t* plane_bytes, const int64_t* host_offsets, int32_t num_planes,
                  int64_t num_device_blocks, uint8_t* host, int64_t host_block_bytes,
@@ -206,6 +216,7 @@ int kvc_cpu_copy(const uint64_t* plane_ptrs, const int64_t* plane_stride_bytes,
 
 /* kvc_cpu_copy with the engine's tables taken from *e; the same checks and
  * codes. n and direction are int64_t so callers can pass any integer. */
+KVC_API
 int kvc_cpu_engine_copy(const kvc_cpu_engine* e, const int64_t* device_ids,
                         const int64_t* host_ids, int64_t n, int64_t direction,
                         int64_t* err_index) {

@@ -95,7 +95,7 @@ typedef struct {
     int32_t node;
 } heap_entry;
 
-/* The evictable leaves of one tier, a binary min-heap whose nodes know their
+/* The evictable leaves of one tier, a 4-ary min-heap whose nodes know their
  * position: add, remove and pop are O(log n) and the order is the key's. */
 typedef struct {
     heap_entry *a;

@@ -72,6 +72,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         finished, errors = self.scheduler.build_meta(scheduler_output)
         return KvcachedMetadata(finished, errors)
 
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_output(connector_output)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request)
 

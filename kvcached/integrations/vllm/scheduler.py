@@ -12,19 +12,24 @@ and storage for this model and drives the transfer workers. Each step:
   prefix is pinned and its copy into those blocks planned (asynchronous:
   the request waits in WAITING_FOR_REMOTE_KVS, vLLM keeps scheduling).
 - ``build_connector_meta``: (1) the saves of blocks an earlier forward
-  computed are copied into the CPU tier, in one task, and waited for: this
-  step's forward may reuse a block vLLM freed meanwhile; (2) this step's loads
-  are submitted (one task per direction); (3) this step's saves are planned;
-  (4) loads that finished are handed to the workers, with the blocks that
-  did not arrive, in the metadata; the workers report them back to vLLM
-  (``finished_recving`` / ``get_block_ids_with_load_errors``), so a failed
-  or lost load is recomputed, never used.
+  computed are submitted, one task for the step; (2) this step's loads are
+  submitted (one task per kind); (3) this step's saves are planned; (4) loads
+  that failed are handed to the workers in the metadata, with the blocks that
+  did not arrive; the workers report them to vLLM (``finished_recving`` and
+  ``get_block_ids_with_load_errors`` in the same pass), so a failed or lost
+  load is recomputed, never used.
+- ``update_connector_output`` (after every step): loads that completed are
+  added to ``finished_recving`` directly, saves that completed to
+  ``finished_sending``: the request is scheduled, or its blocks freed, at
+  the next step, without a round trip through the workers.
 
-A save planned at step N is copied at step N + lag, lag being the number of
-batches vLLM keeps in flight (1, or 2 with async scheduling): by then
-forward N has finished, and a block freed since can only be rewritten by a
-forward not yet started. A request preempted in between is not saved (its
-blocks may already hold another request's KV).
+A save planned at step N is copied from step N + lag on, lag being the
+number of batches vLLM keeps in flight (1, or 2 with async scheduling): by
+then forward N has finished. The blocks it reads are full, so no later
+forward of the request writes them; a finished request keeps its blocks
+until its saves are done (``request_finished`` returns True, the request
+comes back in ``finished_sending``). A preempted request's blocks are freed
+at once: its saves not yet submitted are dropped, those in flight waited for.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import collections
 import logging
 from dataclasses import dataclass, field
 
-from kvcached.core.manager import CacheManager, EngineLoad
+from kvcached.core.manager import CacheManager, EngineLoad, EngineSave
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.memory import kvshare
 from kvcached.transfer.base import Task, TaskHandle, TaskResult
@@ -52,10 +57,10 @@ class Tracked:
     saved: int = 0  # blocks up to which saves were planned
     hit: tuple[int, int, int] = (0, 0, 0)  # (vLLM's own blocks, CPU tier, storage) at lookup
     loads: list[Load] = field(default_factory=list)  # in flight
+    saves: int = 0  # save plans not yet done (planned, or in flight)
     counted: bool = False  # in the hit statistics
     failed: bool = False  # a load failed: the rest of the request computes its KV
     finished: bool = False
-    preempted_at: int = -1  # step of the last preemption
 
 
 @dataclass
@@ -75,6 +80,15 @@ class Load:
 
     def done(self) -> bool:
         return all(p.batch is not None and p.batch.done() for p in self.parts)
+
+    def clean(self) -> bool:
+        """Every block arrived (nothing for vLLM to recompute)."""
+        if self.plan.missing:
+            return False
+        for task, p, r in zip(self.plan.tasks, self.parts, self.results(), strict=True):
+            if not r.ok or (task.kind == "load" and r.result["prefix"] < p.length):
+                return False
+        return True
 
     def results(self) -> list[TaskResult]:
         """Each task's own result, cut out of its batch's: a storage batch's usable
@@ -114,7 +128,9 @@ class SchedulerHalf:
         self.lag = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
         self.mgr = CacheManager(cfg).start()
         self.reqs: dict[str, Tracked] = {}
-        self.saves: collections.deque[SavePlan] = collections.deque()
+        self.saves: collections.deque[SavePlan] = collections.deque()  # planned
+        self.saving: list[tuple[EngineSave | None, list[Tracked]]] = []  # in flight
+        self.sent: set[str] = set()  # finished requests whose saves are done
         self.step = 0
         self.planned_loads: list[tuple[Tracked, Load]] = []
         self.kv_cache_manager = None
@@ -140,6 +156,7 @@ class SchedulerHalf:
         bs = self.block_size
         limit = min((request.num_tokens - 1) // bs, t.n_keys)  # one token left to compute
         local = num_computed_tokens // bs
+        t.hit = (local, 0, 0)
         if limit <= local or t.failed:  # after a failed load: no second try, no livelock
             return 0, False
         n_cpu, n_storage = self.mgr.engine_lookup(t.creq, limit)
@@ -152,6 +169,7 @@ class SchedulerHalf:
         t = self.track(request)
         bs = self.block_size
         cpu = storage = 0
+        own = t.hit[0] * bs  # vLLM's own prefix-cache hit
         if num_external_tokens > 0:
             local = t.hit[0]
             stop = local + num_external_tokens // bs
@@ -162,21 +180,22 @@ class SchedulerHalf:
             storage = max(0, min(plan.n_cpu + len(plan.nodes), stop) - max(plan.n_cpu, local)) * bs
         if not t.counted:
             t.counted = True
-            self.mgr.count_engine_request(request.num_tokens, cpu, storage)
+            self.mgr.count_engine_request(request.num_tokens, own, cpu, storage)
 
     def finished(self, request) -> tuple[bool, None]:
-        """vLLM is done with the request. Its blocks are freed at once (a save
-        still due copies before any forward can reuse them); its pinned path is
-        released once its loads and saves are done."""
+        """vLLM is done with the request. Its blocks stay until its saves are
+        done (True: vLLM frees them once it is in ``finished_sending``); its
+        pinned path is released once nothing of it is in flight."""
         t = self.reqs.get(request.request_id)
-        if t is not None:
-            t.finished = True
-            self._release_if_done(t)
-        return False, None
+        if t is None:
+            return False, None
+        t.finished = True
+        delay = t.saves > 0
+        self._release_if_done(t)
+        return delay, None
 
     def _release_if_done(self, t: Tracked) -> None:
-        if t.finished and not t.loads and not any(p.rid == t.request.request_id
-                                                  for p in self.saves):
+        if t.finished and not t.loads and not t.saves:
             self.mgr.engine_release(t.creq)
             del self.reqs[t.request.request_id]
 
@@ -190,53 +209,93 @@ class SchedulerHalf:
         self._run_saves()
         self._submit_loads()
         self._plan_saves(scheduler_output)
-        return self._finished_loads()
+        self._poll_saves()
+        return self._poll_loads(with_failed=True)
+
+    def update_output(self, output) -> None:
+        """After a step: completed loads and saves go straight to vLLM."""
+        done, _ = self._poll_loads(with_failed=False)
+        self._poll_saves()
+        if done:
+            output.finished_recving = (output.finished_recving or set()) | done
+        if self.sent:
+            output.finished_sending = (output.finished_sending or set()) | self.sent
+            self.sent = set()
 
     def _preempted(self, rid: str) -> None:
-        """vLLM freed the request's blocks and will compute it again: its path is
-        let go (its blocks stay cached) and its unsaved blocks are not saved."""
+        """vLLM freed the request's blocks and will compute it again: its planned
+        saves are dropped, those in flight waited for (this step's forward may
+        write the blocks), its path let go (its blocks stay cached)."""
         t = self.reqs.get(rid)
         if t is None:
             return
-        t.preempted_at = self.step
         t.saved = 0
+        kept = collections.deque()
+        for plan in self.saves:
+            if plan.rid == rid:
+                t.saves -= 1
+            else:
+                kept.append(plan)
+        self.saves = kept
+        for save, owners in self.saving:
+            if save is not None and t in owners:
+                save.handle.wait(self.mgr.cfg.task_timeout_s + 5.0)
+        self._poll_saves()
         if not t.loads:  # a load in flight keeps the path until it lands
             self._renew(t)
 
     def _renew(self, t: Tracked) -> None:
         """Let go of the path the request's loads and saves pinned (its blocks stay
         cached): vLLM computes the request again, or loads it anew."""
-        if t.creq.n_path:
+        if t.creq.n_path and not t.saves:
             self.mgr.engine_release(t.creq)
             t.creq = self.mgr.engine_request(list(t.request.block_hashes[:t.n_keys]))
 
     def _run_saves(self) -> None:
-        due, batch = [], []
+        """Submit the saves that are due, as one task."""
+        due, batch, owners = [], [], []
         while self.saves and self.saves[0].step + self.lag <= self.step:
             due.append(self.saves.popleft())
         for plan in due:
-            t = self.reqs.get(plan.rid)
-            if t is None or t.preempted_at > plan.step:  # its blocks may hold other KV now
-                continue
+            t = self.reqs[plan.rid]
             self.track(t.request)
             batch.append((t.creq, min(plan.blocks, t.n_keys), plan.device_ids))
-        if batch:
-            self.mgr.engine_save(batch)
-        for plan in due:
-            t = self.reqs.get(plan.rid)
-            if t is not None:
-                self._release_if_done(t)
+            owners.append(t)
+        if owners:
+            self.saving.append((self.mgr.engine_save(batch), owners))
+
+    def _poll_saves(self) -> None:
+        still = []
+        for save, owners in self.saving:
+            if save is not None and not save.done():
+                still.append((save, owners))
+                continue
+            if save is not None:
+                self.mgr.engine_finish_save(save)
+            for t in owners:
+                t.saves -= 1
+                self._save_done(t)
+        self.saving = still
+
+    def _save_done(self, t: Tracked) -> None:
+        if t.finished and not t.saves:
+            self.sent.add(t.request.request_id)
+        self._release_if_done(t)
 
     def _submit_loads(self) -> None:
         """This step's loads, one task per kind: a swap-in from the CPU tier, a load
         from storage into the engine's blocks, a load into host blocks only."""
-        batches: dict[tuple[str, bool], list[tuple[Task, Part]]] = collections.defaultdict(list)
-        for t, load in self.planned_loads:
+        batches: dict[tuple[str, bool, int], list[tuple[Task, Part]]] = \
+            collections.defaultdict(list)
+        for i, (t, load) in enumerate(self.planned_loads):
             for task, part in zip(load.plan.tasks, load.parts, strict=True):
-                batches[task.kind, "device_ids" in task.args].append((task, part))
+                # Swap-ins batch (all or nothing); a storage read reports the
+                # prefix it got, which must be this request's alone.
+                key = (task.kind, "device_ids" in task.args, i if task.kind == "load" else -1)
+                batches[key].append((task, part))
             t.loads.append(load)
         self.planned_loads.clear()
-        for (kind, _), parts in batches.items():
+        for (kind, _, _), parts in batches.items():
             merged = Task(kind, [], [], {})
             for task, part in parts:
                 part.offset, part.length = len(merged.dst), len(task.dst)
@@ -263,22 +322,28 @@ class SchedulerHalf:
             if blocks > t.saved:
                 ids = list(self.kv_cache_manager.get_block_ids(rid)[0])
                 self.saves.append(SavePlan(self.step, rid, blocks, ids))
+                t.saves += 1
                 t.saved = blocks
 
-    def _finished_loads(self) -> tuple[set[str], set[int]]:
+    def _poll_loads(self, with_failed: bool) -> tuple[set[str], set[int]]:
+        """Requests whose loads all completed, and the blocks that did not arrive.
+        Without ``with_failed`` a request with a failed load is left for the next
+        call with it: its blocks must reach vLLM in the pass that finishes it,
+        and only the workers' report carries them."""
         done: set[str] = set()
         bad: set[int] = set()
         for rid, t in list(self.reqs.items()):
-            if not t.loads:
+            if not t.loads or not all(load.done() for load in t.loads):
                 continue
-            for load in [x for x in t.loads if x.done()]:
+            if not with_failed and not all(load.clean() for load in t.loads):
+                continue
+            for load in t.loads:
                 lost = self.mgr.engine_finish_load(load.plan, load.results())
                 t.failed |= bool(lost)
                 bad.update(lost)
-                t.loads.remove(load)
-            if not t.loads:
-                done.add(rid)
-                self._release_if_done(t)
+            t.loads.clear()
+            done.add(rid)
+            self._release_if_done(t)
         return done, bad
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.memory import kvshare
+from kvcached.memory.rundir import create_run_dir
 
 # Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
 logger = logging.getLogger("vllm.kvcached")
@@ -52,8 +53,7 @@ class WorkerHalf:
     def __init__(self, vllm_config, kv_cache_config):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         self.rank = get_tensor_model_parallel_rank()
-        self.run_dir = vconfig.run_dir_of(vllm_config)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir, _ = create_run_dir(str(vconfig.run_dir_of(vllm_config)))
         self.group = vconfig.attention_spec(kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
         self.regions = []  # shared memory this process holds for the transfer worker

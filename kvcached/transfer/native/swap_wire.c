@@ -35,7 +35,7 @@
  * engine (owner), so its memory outlives every call. The GIL is held during
  * the copy: only tasks of up to max_blocks blocks come here (microseconds).
  *
- * Module: kvcached._swap_wire (loaded by kvcached/transfer/fastpath.py).
+ * Module: kvcached.transfer._swap_wire (imported by kvcached/transfer/fastpath.py).
  * limits: (version, max_frame_bytes, max_ids, max_str, max_map, device_bound,
  * host_bound), from protocol.Limits (bounds exclusive).
  *
@@ -47,7 +47,7 @@
  *   pack_done(version, task_id, rank, blocks_done, elapsed_s, nbytes, finished)
  *       -> bytes                                                  (for tests)
  *
- * Build: cc -O3 -shared -fPIC -Wall -Werror -I<python include> swap_wire.c
+ * Built at install by setup.py (-O3 -std=c11 -Wall -Wextra -Werror).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -452,8 +452,8 @@ typedef struct {
     limits_t lim;
 } server_t;
 
-#define SERVER "kvcached._swap_wire.server"
-#define LIMITS "kvcached._swap_wire.limits"
+#define SERVER "kvcached.transfer._swap_wire.server"
+#define LIMITS "kvcached.transfer._swap_wire.limits"
 
 static int distinct(const int64_t *ids, int64_t n) {
     for (int64_t i = 1; i < n; i++)

@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""kvcached inside vLLM (its CPU build): what a hit costs, what chat gains, what
+no reuse loses. Each mode runs in its own vLLM process (a random-weight Llama,
+6 layers, 1024 wide, GQA 4:1, made here; nothing is downloaded; at 512 wide,
+as first planned, a 2,000-token prefill takes 0.4 s here, too little to
+dominate as it does on real models):
+
+1. Per hit. The same 2,000-token prompts served again one at a time (TTFT;
+   vLLM's prefix cache is reset before each kvcached hit): from vLLM's own
+   prefix cache (the floor: nothing to load), from kvcached's CPU tier, from
+   file storage in a fresh vLLM process (empty CPU tier), and through vLLM's
+   ``ExampleConnector`` (its disk connector, the other connector that runs on
+   CPU). kvcached's CPU hit and vLLM's own hit alternate on each prompt in
+   the same process; ``cpu_hit_vs_own_hit`` is the median of their ratios
+   (target <= 1.15).
+2. Multi-turn chat. Conversations (a shared system prompt, a document, user
+   turns, the model's own answers) whose every turn extends the previous one, turns of
+   different conversations interleaved, and vLLM's KV space a third of the
+   working set: no connector, ``ExampleConnector`` (it keys whole prompts, so
+   an extended prompt misses), kvcached. Reports prefill tokens computed (and
+   the least the workload allows: each turn's part not in the previous turn's
+   blocks), TTFT mean/p50/p99 and throughput. Targets: kvcached's mean TTFT at
+   most half of the others'; its computed share within 5 points of the least.
+3. No reuse. Rounds of unique prompts: the median round's throughput
+   without and with kvcached (target: at most 5% lost).
+Every mode must give the same greedy outputs.
+
+    python scripts/bench_vllm.py [--quick]
+
+Progress on stderr; the last line on stdout is JSON ``{"bench": "vllm", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_util import log, percentile  # noqa: E402
+
+BS = 32  # vLLM's CPU attention needs a multiple of 32
+FULL = dict(layers=6, hidden=1024, hit_prompts=4, hit_len=2000, hit_rounds=3,
+            users=8, turns=5, system=256, first_len=1024, turn_len=256, answer=32, kv_mb=32,
+            noreuse=8, noreuse_len=1000, noreuse_out=32, noreuse_rounds=3)
+QUICK = dict(layers=2, hidden=128, hit_prompts=2, hit_len=600, hit_rounds=2,
+             users=3, turns=3, system=64, first_len=192, turn_len=64, answer=8, kv_mb=6,
+             noreuse=4, noreuse_len=300, noreuse_out=8, noreuse_rounds=1)
+
+
+# ------------------------------------------------------------------ child
+def make_model(path: str, layers: int, hidden: int) -> str:
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        heads = max(1, hidden // 64)  # head size 64, GQA 4:1, MLP 4x: a real model's shape
+        cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=max(1, heads // 4), max_position_embeddings=8192)
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+class Server:
+    """A vLLM engine driven step by step, so each request's first token is timed."""
+
+    def __init__(self, spec: dict):
+        from vllm import LLM
+        kw = {}
+        if spec["connector"]:
+            kw["kv_transfer_config"] = spec["connector"]
+        self.llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=BS,
+                       enforce_eager=True, dtype="bfloat16", max_model_len=4096,
+                       kv_cache_memory_bytes=spec["kv_mb"] << 20, disable_log_stats=True,
+                       max_num_seqs=8, **kw)
+        self.n = 0
+
+    def serve(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+        """Submit ``prompts`` together; per request: TTFT, output, cached tokens."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        eng = self.llm.llm_engine
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+        t0 = time.perf_counter()
+        ids = []
+        for p in prompts:
+            self.n += 1
+            ids.append(str(self.n))
+            eng.add_request(ids[-1], TokensPrompt(prompt_token_ids=p), sp)
+        res = {rid: {"ttft": None, "output": [], "cached": 0} for rid in ids}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                r = res[out.request_id]
+                new = out.outputs[0].token_ids if out.outputs else []
+                if new and r["ttft"] is None:
+                    r["ttft"] = time.perf_counter() - t0
+                r["output"] += list(new)
+                r["cached"] = max(r["cached"], out.num_cached_tokens or 0)
+        return [res[rid] for rid in ids]
+
+    def reset(self) -> None:
+        assert self.llm.reset_prefix_cache()
+
+
+def per_hit(srv: Server, p: dict, connector: bool) -> dict:
+    """Cold TTFT per prompt, then rounds of [connector hit, vLLM's own hit]."""
+    prompts = [tokens(100 + i, p["hit_len"]) for i in range(p["hit_prompts"])]
+    out = {"cold": [], "own": [], "conn": [], "outputs": [], "conn_cached": []}
+    for q in prompts:
+        r = srv.serve([q], 4)[0]
+        out["cold"].append(r["ttft"])
+        out["outputs"].append(r["output"])
+    for _ in range(p["hit_rounds"]):
+        for q, want in zip(prompts, out["outputs"], strict=True):
+            if connector:
+                srv.reset()
+                r = srv.serve([q], 4)[0]
+                out["conn"].append(r["ttft"])
+                out["conn_cached"].append(r["cached"])
+                assert r["output"] == want, "a connector hit changed the output"
+            r = srv.serve([q], 4)[0]
+            out["own"].append(r["ttft"])
+            assert r["output"] == want, "vLLM's own hit changed the output"
+    return out
+
+
+def restart_hit(srv: Server, p: dict) -> dict:
+    prompts = [tokens(100 + i, p["hit_len"]) for i in range(p["hit_prompts"])]
+    res = [srv.serve([q], 4)[0] for q in prompts]
+    return {"storage": [r["ttft"] for r in res], "cached": [r["cached"] for r in res],
+            "outputs": [r["output"] for r in res]}
+
+
+def chat(srv: Server, p: dict) -> dict:
+    """Rounds: every conversation sends its next turn (in a shuffled order, a few
+    at a time); its next prompt is this prompt, the model's answer and a new
+    user turn."""
+    rng = random.Random(7)
+    systems = [tokens(900 + i, p["system"]) for i in range(2)]
+    convs = [systems[u % 2] + tokens(1000 + u, p["first_len"]) for u in range(p["users"])]
+    prev_kv = [0] * p["users"]  # tokens whose KV the previous turn computed
+    seen = set()  # system prompts served already
+    reqs = []
+    t0 = time.perf_counter()
+    for turn in range(p["turns"]):
+        order = list(range(p["users"]))
+        rng.shuffle(order)
+        for i in range(0, len(order), 2):
+            group = order[i:i + 2]
+            for u, r in zip(group, srv.serve([convs[u] for u in group], p["answer"]),
+                            strict=True):
+                n = len(convs[u])
+                reusable = min(prev_kv[u] // BS, (n - 1) // BS) * BS
+                if turn == 0 and u % 2 in seen:  # an earlier conversation's system prompt
+                    reusable = p["system"] // BS * BS
+                seen.add(u % 2)
+                reqs.append({"user": u, "turn": turn, "prompt": n, "reusable": reusable,
+                             **r})
+                prev_kv[u] = n + len(r["output"]) - 1
+                convs[u] = convs[u] + r["output"] + tokens(2000 + 100 * u + turn,
+                                                             p["turn_len"])
+    wall = time.perf_counter() - t0
+    prompt = sum(r["prompt"] for r in reqs)
+    ttft = [r["ttft"] for r in reqs]
+    return {"requests": len(reqs), "prompt_tokens": prompt,
+            "computed_tokens": sum(r["prompt"] - r["cached"] for r in reqs),
+            "least_computed_tokens": sum(r["prompt"] - r["reusable"] for r in reqs),
+            "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p99_s": percentile(ttft, 0.99), "wall_s": wall,
+            "throughput_tok_s": (prompt + sum(len(r["output"]) for r in reqs)) / wall,
+            "outputs": [[r["user"], r["turn"], r["output"]] for r in reqs]}
+
+
+def no_reuse(srv: Server, p: dict) -> dict:
+    """Rounds of unique prompts served together; the median round's throughput."""
+    rates, outputs = [], []
+    for rnd in range(p["noreuse_rounds"]):
+        prompts = [tokens(5000 + 100 * rnd + i, p["noreuse_len"]) for i in range(p["noreuse"])]
+        t0 = time.perf_counter()
+        res = srv.serve(prompts, p["noreuse_out"])
+        wall = time.perf_counter() - t0
+        rates.append((sum(map(len, prompts)) + sum(len(r["output"]) for r in res)) / wall)
+        outputs += [r["output"] for r in res]
+    return {"throughput_tok_s": statistics.median(rates), "rounds": rates, "outputs": outputs}
+
+
+def child(spec: dict) -> dict:
+    p = spec["params"]
+    srv = Server(spec)
+    out = {}
+    for phase in spec["phases"]:
+        log(f"{spec['name']}: {phase}")
+        if phase == "no_reuse":
+            out[phase] = no_reuse(srv, p)
+        elif phase == "per_hit":
+            out[phase] = per_hit(srv, p, connector=spec["connector"] is not None)
+        elif phase == "restart_hit":
+            out[phase] = restart_hit(srv, p)
+        elif phase == "chat":
+            srv.reset()
+            out[phase] = chat(srv, p)
+    return out
+
+
+# ----------------------------------------------------------------- parent
+def run_mode(name: str, model: str, p: dict, connector: dict | None,
+             phases: list[str]) -> dict:
+    spec = {"name": name, "model": model, "params": p, "connector": connector,
+            "phases": phases, "kv_mb": p["kv_mb"]}
+    t = time.monotonic()
+    # vLLM's own progress stays quiet; its warnings and ours reach stderr.
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                         stdout=subprocess.PIPE, text=True, timeout=3600, env=env)
+    lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    if res.returncode or not lines:
+        raise SystemExit(f"mode {name} failed (rc {res.returncode}); its log is above")
+    log(f"{name}: done in {time.monotonic() - t:.0f}s")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int) -> dict:
+    return {"kv_connector": "KvcachedConnector",
+            "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
+                                          "storage_backend": "file",
+                                          "storage_url": str(store)}}
+
+
+def example_connector(path: Path) -> dict:
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+
+
+def summary(modes: dict, p: dict) -> dict:
+    plain, kv, ex, rs = modes["plain"], modes["kvcached"], modes["example"], modes["restart"]
+    hit = kv["per_hit"]
+    pairs = [c / o for c, o in zip(hit["conn"], hit["own"][:len(hit["conn"])], strict=True)]
+    med = statistics.median
+    full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
+    chats = {m: modes[m]["chat"] for m in ("plain", "example", "kvcached")}
+    ref = plain["per_hit"]["outputs"]
+    same = {"per_hit_kvcached": hit["outputs"] == ref,
+            "per_hit_example": ex["per_hit"]["outputs"] == ref,
+            "restart": rs["restart_hit"]["outputs"] == ref,
+            "chat_kvcached": chats["kvcached"]["outputs"] == chats["plain"]["outputs"],
+            "chat_example": chats["example"]["outputs"] == chats["plain"]["outputs"],
+            "no_reuse": kv["no_reuse"]["outputs"] == plain["no_reuse"]["outputs"]}
+    least = chats["kvcached"]["least_computed_tokens"] / chats["kvcached"]["prompt_tokens"]
+    got = chats["kvcached"]["computed_tokens"] / chats["kvcached"]["prompt_tokens"]
+    return {
+        "per_hit_ttft_s": {"full_prefill": med(plain["per_hit"]["cold"]),
+                           "vllm_own_hit": med(hit["own"]), "kvcached_cpu": med(hit["conn"]),
+                           "kvcached_storage_after_restart": med(rs["restart_hit"]["storage"]),
+                           "example_connector": med(ex["per_hit"]["conn"])},
+        "cpu_hit_vs_own_hit": med(pairs),
+        "example_vs_own_hit": med(ex["per_hit"]["conn"]) / med(ex["per_hit"]["own"]),
+        "cpu_hit_blocks_served": min(hit["conn_cached"]) / full,
+        "storage_hit_blocks_served": min(rs["restart_hit"]["cached"]) / full,
+        "chat": {m: {k: v for k, v in c.items() if k != "outputs"} for m, c in chats.items()},
+        "chat_ttft_vs_no_connector": chats["kvcached"]["ttft_mean_s"]
+        / chats["plain"]["ttft_mean_s"],
+        "chat_ttft_vs_example": chats["kvcached"]["ttft_mean_s"] / chats["example"]["ttft_mean_s"],
+        "chat_computed_share": got, "chat_least_computed_share": least,
+        "chat_points_above_least": 100 * (got - least),
+        "no_reuse_throughput_lost": 1 - kv["no_reuse"]["throughput_tok_s"]
+        / plain["no_reuse"]["throughput_tok_s"],
+        "identical_outputs": all(same.values()), "identical": same,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model, few prompts (smoke)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        return
+    p = QUICK if args.quick else FULL
+    with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:
+        work = Path(tmp)
+        model = make_model(str(work / "model"), p["layers"], p["hidden"])
+        cpu_blocks = 4096 if not args.quick else 512
+        store = work / "store"
+        modes = {
+            "plain": run_mode("plain", model, p, None, ["no_reuse", "per_hit", "chat"]),
+            "kvcached": run_mode("kvcached", model, p,
+                                 kvcached_connector(work / "run1", store, cpu_blocks),
+                                 ["no_reuse", "per_hit", "chat"]),
+            "restart": run_mode("restart", model, p,
+                                kvcached_connector(work / "run2", store, cpu_blocks),
+                                ["restart_hit"]),
+            "example": run_mode("example", model, p, example_connector(work / "example"),
+                                ["per_hit", "chat"]),
+        }
+    out = {"bench": "vllm", "quick": bool(args.quick),
+           "model": f"random Llama {p['layers']}x{p['hidden']}", **summary(modes, p)}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
