@@ -1,0 +1,435 @@
+"""Eviction policies for one tier of the block tree: the oracle of the native core.
+
+Two policies with one interface: ``LRUPolicy`` (what kvcached does today)
+and ``AdaptivePolicy`` (learned hit density, issue 23). The C core is
+written from this docstring and tested against these classes, step by step.
+
+Interface (``Policy``)
+======================
+
+The cache calls, for one tier (a block key is an unsigned 64-bit int; in
+kvcached the first 8 bytes of the node's hash, little-endian):
+
+- ``on_insert(key, depth, now)``: the block entered the tier (computed and
+  committed, or fetched into it). Not yet an evictable leaf: it is
+  referenced by the request that brought it.
+- ``on_hit(key, now)``: a request used the cached block (matched it at
+  allocate, or a commit deduplicated onto it). Called while the request
+  references it, so normally not a leaf (handled if it is).
+- ``add_leaf(key)``: the block became an evictable leaf of the tier (no child
+  in the tier, no reference, not busy). ``remove_leaf(key)``: it stopped
+  being one (referenced, got a child). Each exactly once per change.
+- ``victim()``: the leaf to evict next, taken out of the leaf set; None when
+  there is none. The caller then evicts it and calls ``on_evict(key)``
+  (also for a block that leaves the tier otherwise). A parent that became a
+  leaf is ``add_leaf``-ed before the next ``victim()``.
+
+``now`` is the manager's clock (non-decreasing; one tick per allocate and
+free); ``depth`` the node's depth (root's children: 1). Only LRU uses them.
+
+LRU
+===
+
+``(last access, -depth, insertion order)``, smallest first: kvcached's
+``LeafLRU``. Ties on the clock go to the deeper node.
+
+Adaptive (learned hit density)
+==============================
+
+Rank each leaf by its expected future hits per unit of cache space-time,
+given its *class* (how often it was used) and its *age* (time since its
+last use), learned online as in LHD (Beckmann et al., NSDI 2018), and evict
+the lowest. What makes it work on chat traffic is the ghost: LRU and LHD
+only see reuses that happen while a block is still cached; the ghost
+remembers evicted blocks, so a conversation that comes back after its
+blocks were dropped still teaches the table that blocks of that class are
+reused at that age (and the returning block is promoted, as a hit would).
+
+Everything is integer arithmetic, so a port is exact; all ties have a rule.
+
+Constants (``AdaptiveParams``), for a tier of ``capacity`` blocks::
+
+    CLASSES = 4           class = min(uses, CLASSES - 1); uses counts on_hit
+                          calls and ghost returns since the block was new
+    BINS = 64             age bins; the last one holds every older age
+    WINDOW = max(1, capacity // 8) ticks: the width of an age bin
+                          (so BINS * WINDOW = 8 x capacity: the reuse horizon)
+    GHOST = 8 * capacity  ghost entries (rounded up to whole sets of WAYS)
+    WAYS = 8              ghost associativity
+    DECAY_SHIFT = 7       the tables keep 1 - 2**-7 of their weight per window
+    ONE = 1 << 16         one event, in the tables' fixed point
+
+Clock. ``tick`` counts ``on_insert`` calls (blocks entering the tier: in
+steady state one per eviction, so ages are measured in cache turnover and
+the horizon matches the ghost's reach whatever the request mix). Ages are
+in *windows*: ``window = tick // WINDOW``; a block stores the window of its
+last use, ``win``; its age bin is ``min(cur_win - win, BINS - 1)``.
+
+Per block (node fields in C): ``cls`` (u8) and ``win`` (u32), plus its
+leaf-list links.
+
+Tables, per class c and age bin b: ``hits[c][b]`` and ``ends[c][b]``
+(u64, fixed point). Events:
+
+- hit: ``on_hit`` of a block of class c, age bin b: ``hits[c][b] += ONE``;
+  then ``cls = min(c + 1, CLASSES - 1)``, ``win = cur_win``.
+- ghost return: ``on_insert`` of a key the ghost holds with (c, w):
+  ``hits[c][bin(cur_win - w)] += ONE``, the entry is cleared, and the block
+  starts with ``cls = min(c + 1, CLASSES - 1)``. Otherwise ``cls = 0``.
+  Either way ``win = cur_win`` (after the tick).
+- end: the ghost overwrites an entry (c, w) to make room:
+  ``ends[c][bin(cur_win - w)] += ONE``. A block not reused within the
+  ghost's reach ends there, i.e. at about its horizon age, as if it had
+  been kept that long: the tables describe reuse ages, not what this
+  policy happened to evict, so they do not feed back on themselves.
+
+Rebuild, each time ``cur_win`` advances (every WINDOW ticks, O(CLASSES x
+BINS)): first every counter ``x -= x >> DECAY_SHIFT``; then per class, from
+the last bin down::
+
+    H += hits[c][b]; E += hits[c][b] + ends[c][b]; L += E
+    density[c][b] = (H << 32) // L   if L else 0     (exact; H <= L)
+
+and then ``density[c][BINS - 1] = 0``. (L is the expected remaining
+lifetime in bins, summed: LHD's ``lifetimeUnconditioned``; 128-bit
+intermediate in C.) The last bin holds every age past the horizon, so its
+events would count as one bin of lifetime and make stale blocks look like
+the densest; a leaf older than the horizon is instead taken first (a ghost
+hit can be older than the ghost's reach: its age includes the time the
+block was cached). ``ranks``: every
+(c, b) sorted by ``(density, -b, c)``: lowest density first; ties evict the
+older bin, then the lower class. With empty tables every density is 0, so
+the order is oldest bin first: LRU at window granularity.
+
+Leaf set. Bucketed stacks: ``bucket[c][w]`` holds the class-c leaves whose
+``win`` is ``w``, for the ``BINS - 1`` youngest windows; ``old[c]`` holds
+class c's older leaves. ``add_leaf`` pushes onto the top of its stack
+(``old[c]`` when ``cur_win - win >= BINS - 1``); ``remove_leaf`` unlinks
+(a doubly linked list in C). When the window advances, ``bucket[c][cur_win
+- (BINS - 1)]`` is spliced onto the top of ``old[c]`` for each c, before
+the rebuild. ``victim()`` walks ``ranks`` and pops the top of the first
+non-empty stack (bin b < BINS - 1: ``bucket[c][cur_win - b]``, else
+``old[c]``). A stack pops last-pushed first, so the parent of a victim,
+pushed just after (same window, and mostly same class), goes next: a branch
+is evicted tail first. A cursor makes ``victim()`` O(1) amortised: every
+rank below ``cursor`` has an empty stack; ``add_leaf`` lowers it to its
+rank, a rebuild resets it to 0, ``victim()`` resumes from it. So each
+operation is O(1), plus O(CLASSES x BINS) per window of WINDOW insertions.
+
+Ghost: ``GHOST / WAYS`` sets of WAYS 32-bit entries, 0 = empty. A key maps
+to ``h = splitmix64(key)``, set ``(h >> 32) % sets``, fingerprint
+``h & 0xFFFF`` (0 taken as 1); an entry is ``fp << 16 | cls << 12 | (win &
+0xFFF)``, and its age in windows is ``(cur_win - win) & 0xFFF``. Lookup
+(``on_insert``): the first way with the fingerprint. Insert (``on_evict``):
+the first empty way, else the way with the greatest age (first on ties),
+whose entry ends. 4 bytes per entry: 32 bytes per cached block at 8x. A
+false match (~WAYS / 65536 per insert) only adds a spurious hit to the
+tables; ages alias only if a set saw no insert for 4096 windows (512 x the
+capacity in insertions), which a full cache cannot do.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+MASK64 = (1 << 64) - 1
+
+
+class Policy(Protocol):
+    """What a tier's eviction policy is told, and asked (see the module docstring)."""
+
+    def on_insert(self, key: int, depth: int, now: int) -> None: ...
+    def on_hit(self, key: int, now: int) -> None: ...
+    def add_leaf(self, key: int) -> None: ...
+    def remove_leaf(self, key: int) -> None: ...
+    def victim(self) -> int | None: ...
+    def on_evict(self, key: int) -> None: ...
+    def leaves(self) -> set[int]: ...
+
+
+# --------------------------------------------------------------------- LRU
+class LRUPolicy:
+    """kvcached's LeafLRU: a heap of ``(last, -depth, seq)`` with lazy deletion."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, int] = {}
+        self._depth: dict[int, int] = {}
+        self._live: dict[int, tuple] = {}  # leaf -> its heap entry
+        self._heap: list[tuple] = []
+        self._seq = 0
+
+    def on_insert(self, key: int, depth: int, now: int) -> None:
+        self._last[key] = now
+        self._depth[key] = depth
+
+    def on_hit(self, key: int, now: int) -> None:
+        self._last[key] = now
+        if key in self._live:  # re-key a leaf
+            self.remove_leaf(key)
+            self.add_leaf(key)
+
+    def add_leaf(self, key: int) -> None:
+        assert key not in self._live, f"{key:#x} is a leaf already"
+        self._seq += 1
+        entry = (self._last[key], -self._depth[key], self._seq, key)
+        self._live[key] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._live) + 64:  # drop stale entries
+            self._heap = [e for e in self._heap if self._live.get(e[3]) is e]
+            heapq.heapify(self._heap)
+
+    def remove_leaf(self, key: int) -> None:
+        del self._live[key]
+
+    def victim(self) -> int | None:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._live.get(entry[3]) is entry:
+                del self._live[entry[3]]
+                return entry[3]
+        return None
+
+    def on_evict(self, key: int) -> None:
+        del self._last[key], self._depth[key]
+
+    def leaves(self) -> set[int]:
+        return set(self._live)
+
+
+# ---------------------------------------------------------------- adaptive
+@dataclass(frozen=True, slots=True)
+class AdaptiveParams:
+    """The adaptive policy's constants (see the module docstring)."""
+
+    classes: int = 4
+    bins: int = 64
+    windows_per_capacity: int = 8  # WINDOW = capacity // this
+    ghost_factor: int = 8  # ghost entries per block of capacity
+    ways: int = 8
+    decay_shift: int = 7
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.classes <= 16:
+            raise ValueError(f"classes must be in 1..16 (4 bits in a ghost entry), "
+                             f"got {self.classes}")
+        if not 2 <= self.bins <= 2048:
+            raise ValueError(f"bins must be in 2..2048 (ages are kept mod 4096 windows), "
+                             f"got {self.bins}")
+        for name in ("windows_per_capacity", "ways", "decay_shift"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ghost_factor < 0:
+            raise ValueError(f"ghost_factor must be >= 0, got {self.ghost_factor}")
+
+
+ONE = 1 << 16  # one event in the tables' fixed point
+_WIN_MASK = 0xFFF  # a ghost entry keeps its window mod 4096
+_OLD = -1  # the bucket key of a class's old stack
+
+
+def splitmix64(x: int) -> int:
+    """The splitmix64 finalizer: spreads any 64-bit key over the ghost's sets."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+class Ghost:
+    """Recently evicted keys with their class and last-use window, in 4 bytes each.
+
+    Set-associative: a full set overwrites its oldest entry, which is handed
+    back to be counted as an end.
+    """
+
+    def __init__(self, entries: int, ways: int):
+        self.ways = ways
+        self.sets = max(1, -(-entries // ways)) if entries else 0
+        self.table = [0] * (self.sets * ways)
+
+    def _locate(self, key: int) -> tuple[int, int]:
+        h = splitmix64(key & MASK64)
+        return ((h >> 32) % self.sets) * self.ways, (h & 0xFFFF) or 1
+
+    def take(self, key: int) -> tuple[int, int] | None:
+        """``(cls, win & 0xFFF)`` of ``key``'s entry, which is cleared; None if absent."""
+        if not self.sets:
+            return None
+        base, fp = self._locate(key)
+        for i in range(base, base + self.ways):
+            e = self.table[i]
+            if e >> 16 == fp:
+                self.table[i] = 0
+                return (e >> 12) & 0xF, e & _WIN_MASK
+        return None
+
+    def put(self, key: int, cls: int, win: int, cur_win: int) -> tuple[int, int] | None:
+        """Remember ``key``; returns ``(cls, age in windows)`` of the entry it
+        overwrote, or None when a way was empty."""
+        if not self.sets:
+            return None
+        base, fp = self._locate(key)
+        entry = fp << 16 | cls << 12 | (win & _WIN_MASK)
+        oldest, oldest_age = base, -1
+        for i in range(base, base + self.ways):
+            e = self.table[i]
+            if not e:
+                self.table[i] = entry
+                return None
+            age = (cur_win - (e & _WIN_MASK)) & _WIN_MASK
+            if age > oldest_age:
+                oldest, oldest_age = i, age
+        e = self.table[oldest]
+        self.table[oldest] = entry
+        return (e >> 12) & 0xF, oldest_age
+
+    def size(self) -> int:
+        """Entries held (for status; O(entries))."""
+        return sum(1 for e in self.table if e)
+
+
+class AdaptivePolicy:
+    """Learned hit density with a ghost (the algorithm is the module docstring)."""
+
+    def __init__(self, capacity: int, params: AdaptiveParams | None = None):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+        p = self.params = params or AdaptiveParams()
+        self.window = max(1, capacity // p.windows_per_capacity)
+        self.ghost = Ghost(p.ghost_factor * capacity, p.ways)
+        self.tick = 0
+        self.cur_win = 0
+        self.cls: dict[int, int] = {}  # per block (node fields in C): class,
+        self.stamp: dict[int, int] = {}  # and the tick of its last use
+        self.hits = [[0] * p.bins for _ in range(p.classes)]
+        self.ends = [[0] * p.bins for _ in range(p.classes)]
+        self.density = [[0] * p.bins for _ in range(p.classes)]
+        # (class, window or _OLD) -> leaves, oldest first (a doubly linked list in C)
+        self.buckets: dict[tuple[int, int], OrderedDict[int, None]] = {}
+        self.where: dict[int, tuple[int, int]] = {}  # leaf -> its bucket key
+        self.ghost_hits = 0  # inserts the ghost remembered (for metrics)
+        self._rank()
+
+    # ----------------------------------------------------------- events
+    def on_insert(self, key: int, depth: int, now: int) -> None:
+        self.tick += 1
+        if self.tick // self.window != self.cur_win:
+            self._advance()
+        back = self.ghost.take(key)
+        if back is None:
+            self.cls[key] = 0
+        else:
+            c, w = back
+            self.ghost_hits += 1
+            self._count(self.hits, c, (self.cur_win - w) & _WIN_MASK)
+            self.cls[key] = min(c + 1, self.params.classes - 1)
+        self.stamp[key] = self.tick
+
+    def on_hit(self, key: int, now: int) -> None:
+        leaf = key in self.where
+        if leaf:
+            self.remove_leaf(key)
+        c = self.cls[key]
+        self._count(self.hits, c, self.cur_win - self.stamp[key] // self.window)
+        self.cls[key] = min(c + 1, self.params.classes - 1)
+        self.stamp[key] = self.tick
+        if leaf:
+            self.add_leaf(key)
+
+    def on_evict(self, key: int) -> None:
+        assert key not in self.where, f"{key:#x} evicted while listed as a leaf"
+        win = self.stamp.pop(key) // self.window
+        ended = self.ghost.put(key, self.cls.pop(key), win, self.cur_win)
+        if ended is not None:
+            self._count(self.ends, *ended)
+
+    def _count(self, table: list[list[int]], c: int, age: int) -> None:
+        table[c][min(age, self.params.bins - 1)] += ONE
+
+    # -------------------------------------------------------- leaf set
+    def add_leaf(self, key: int) -> None:
+        assert key not in self.where, f"{key:#x} is a leaf already"
+        c, stamp = self.cls[key], self.stamp[key]
+        age = self.cur_win - stamp // self.window
+        last = self.params.bins - 1
+        where = (c, _OLD) if age >= last else (c, stamp // self.window)
+        bucket = self.buckets.get(where)
+        if bucket is None:
+            bucket = self.buckets[where] = OrderedDict()
+        if bucket and stamp < self.stamp[next(reversed(bucket))]:
+            bucket[key] = None  # older than the youngest: an exposed parent, next to go
+            bucket.move_to_end(key, last=False)
+        else:
+            bucket[key] = None
+        self.where[key] = where
+        self.cursor = min(self.cursor, self.rank_of[c][min(age, last)])
+
+    def remove_leaf(self, key: int) -> None:
+        where = self.where.pop(key)
+        bucket = self.buckets[where]
+        del bucket[key]
+        if not bucket:
+            del self.buckets[where]
+
+    def victim(self) -> int | None:
+        last = self.params.bins - 1
+        for r in range(self.cursor, len(self.ranks)):
+            c, b = self.ranks[r]
+            where = (c, _OLD) if b == last else (c, self.cur_win - b)
+            bucket = self.buckets.get(where)
+            if bucket:
+                key, _ = bucket.popitem(last=False)  # the oldest
+                if not bucket:
+                    del self.buckets[where]
+                del self.where[key]
+                self.cursor = r
+                return key
+        self.cursor = len(self.ranks)
+        return None
+
+    def leaves(self) -> set[int]:
+        return set(self.where)
+
+    # ---------------------------------------------------------- tables
+    def _advance(self) -> None:
+        """A new window: the buckets that just reached the last bin join the old
+        ones (younger than all they hold: at the end); the tables decay and
+        are ranked again."""
+        self.cur_win += 1
+        aged = self.cur_win - (self.params.bins - 1)
+        for c in range(self.params.classes):
+            bucket = self.buckets.pop((c, aged), None)
+            if bucket:
+                old = self.buckets.setdefault((c, _OLD), OrderedDict())
+                old.update(bucket)
+                for key in bucket:
+                    self.where[key] = (c, _OLD)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        shift = self.params.decay_shift
+        for c in range(self.params.classes):
+            hits, ends, dens = self.hits[c], self.ends[c], self.density[c]
+            h = e = life = 0
+            for b in range(self.params.bins - 1, -1, -1):
+                hits[b] -= hits[b] >> shift
+                ends[b] -= ends[b] >> shift
+                h += hits[b]
+                e += hits[b] + ends[b]
+                life += e
+                dens[b] = (h << 32) // life if life else 0
+            # The last bin lumps every age past the horizon together, so its
+            # events look one bin away: unknown, not dense. Evict it first.
+            dens[-1] = 0
+        self._rank()
+
+    def _rank(self) -> None:
+        p = self.params
+        self.ranks = sorted(((c, b) for c in range(p.classes) for b in range(p.bins)),
+                            key=lambda cb: (self.density[cb[0]][cb[1]], -cb[1], cb[0]))
+        self.rank_of = [[0] * p.bins for _ in range(p.classes)]
+        for r, (c, b) in enumerate(self.ranks):
+            self.rank_of[c][b] = r
+        self.cursor = 0
