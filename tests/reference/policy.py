@@ -27,6 +27,18 @@ kvcached the first 8 bytes of the node's hash, little-endian):
 ``now`` is the manager's clock (non-decreasing; one tick per allocate and
 free); ``depth`` the node's depth (root's children: 1). Only LRU uses them.
 
+In kvcached each tier has its own instance (capacity ``num_gpu_blocks``,
+``num_cpu_blocks``), and the calls sit where today's code touches that
+tier's ``LeafLRU`` and copies: ``add_leaf``/``remove_leaf`` where it adds
+or discards; ``victim`` where it pops (``push_pop`` is ``add_leaf`` then
+``victim``); ``on_insert`` where a node gains the tier's copy (GPU: a new
+node at commit, an adopted copy, a swap-in or load; CPU: a swap-out, a
+write-through staging copy); ``on_evict`` where the copy goes (swapped
+out, dropped, or the node removed); ``on_hit`` where a request matches the
+node in that tier at allocate, and for the GPU tier where commit
+deduplicates onto it. ``simulator.py`` makes exactly these calls for a
+GPU-only manager.
+
 LRU
 ===
 
@@ -61,22 +73,25 @@ Constants (``AdaptiveParams``), for a tier of ``capacity`` blocks::
 
 Clock. ``tick`` counts ``on_insert`` calls (blocks entering the tier: in
 steady state one per eviction, so ages are measured in cache turnover and
-the horizon matches the ghost's reach whatever the request mix). Ages are
-in *windows*: ``window = tick // WINDOW``; a block stores the window of its
-last use, ``win``; its age bin is ``min(cur_win - win, BINS - 1)``.
+the horizon matches the ghost's reach whatever the request mix). A block
+stores ``stamp``, the tick of its last use (insert or hit); ages are in
+*windows*: ``cur_win = tick // WINDOW``, a block's window is ``win = stamp
+// WINDOW`` and its age bin ``bin(cur_win - win)``, where ``bin(a) = min(a,
+BINS - 1)``. The window advances (and the tables are rebuilt, below) inside
+the ``on_insert`` whose tick reaches it, before anything else it does.
 
-Per block (node fields in C): ``cls`` (u8) and ``win`` (u32), plus its
+Per block (node fields in C): ``cls`` (u8) and ``stamp`` (u64), plus its
 leaf-list links.
 
 Tables, per class c and age bin b: ``hits[c][b]`` and ``ends[c][b]``
 (u64, fixed point). Events:
 
-- hit: ``on_hit`` of a block of class c, age bin b: ``hits[c][b] += ONE``;
-  then ``cls = min(c + 1, CLASSES - 1)``, ``win = cur_win``.
+- hit: ``on_hit`` of a block of class c: ``hits[c][bin(cur_win - win)] +=
+  ONE``; then ``cls = min(c + 1, CLASSES - 1)``, ``stamp = tick``.
 - ghost return: ``on_insert`` of a key the ghost holds with (c, w):
   ``hits[c][bin(cur_win - w)] += ONE``, the entry is cleared, and the block
   starts with ``cls = min(c + 1, CLASSES - 1)``. Otherwise ``cls = 0``.
-  Either way ``win = cur_win`` (after the tick).
+  Either way ``stamp = tick`` (after the tick).
 - end: the ghost overwrites an entry (c, w) to make room:
   ``ends[c][bin(cur_win - w)] += ONE``. A block not reused within the
   ghost's reach ends there, i.e. at about its horizon age, as if it had
@@ -91,8 +106,10 @@ the last bin down::
     density[c][b] = (H << 32) // L   if L else 0     (exact; H <= L)
 
 and then ``density[c][BINS - 1] = 0``. (L is the expected remaining
-lifetime in bins, summed: LHD's ``lifetimeUnconditioned``; 128-bit
-intermediate in C.) The last bin holds every age past the horizon, so its
+lifetime in bins, summed: LHD's ``lifetimeUnconditioned``. In C, do the
+rebuild in ``unsigned __int128``: a cell holds up to ~2**23 x the events
+of a window, L sums BINS**2 of them, and ``H << 32`` needs 32 bits more;
+the densities, at most 2**32, fit in u64.) The last bin holds every age past the horizon, so its
 events would count as one bin of lifetime and make stale blocks look like
 the densest; a leaf older than the horizon is instead taken first (a ghost
 hit can be older than the ghost's reach: its age includes the time the
@@ -101,20 +118,25 @@ block was cached). ``ranks``: every
 older bin, then the lower class. With empty tables every density is 0, so
 the order is oldest bin first: LRU at window granularity.
 
-Leaf set. Bucketed stacks: ``bucket[c][w]`` holds the class-c leaves whose
-``win`` is ``w``, for the ``BINS - 1`` youngest windows; ``old[c]`` holds
-class c's older leaves. ``add_leaf`` pushes onto the top of its stack
-(``old[c]`` when ``cur_win - win >= BINS - 1``); ``remove_leaf`` unlinks
-(a doubly linked list in C). When the window advances, ``bucket[c][cur_win
-- (BINS - 1)]`` is spliced onto the top of ``old[c]`` for each c, before
-the rebuild. ``victim()`` walks ``ranks`` and pops the top of the first
-non-empty stack (bin b < BINS - 1: ``bucket[c][cur_win - b]``, else
-``old[c]``). A stack pops last-pushed first, so the parent of a victim,
-pushed just after (same window, and mostly same class), goes next: a branch
-is evicted tail first. A cursor makes ``victim()`` O(1) amortised: every
-rank below ``cursor`` has an empty stack; ``add_leaf`` lowers it to its
-rank, a rebuild resets it to 0, ``victim()`` resumes from it. So each
-operation is O(1), plus O(CLASSES x BINS) per window of WINDOW insertions.
+Leaf set: bucketed lists, each a doubly linked list in C with a head
+(oldest) and a tail. ``bucket[c][w]`` holds the class-c leaves of window
+``w``, for the ``BINS - 1`` youngest windows (a ring of BINS - 1 lists per
+class, slot ``w % (BINS - 1)``); ``old[c]`` holds class c's older leaves.
+``add_leaf`` picks ``old[c]`` when ``cur_win - win >= BINS - 1``, else
+``bucket[c][win]``, and links the leaf at the tail, unless the list is not
+empty and its stamp is below the tail's: then at the head. (A leaf freed by
+a request is the youngest; a parent uncovered by evicting its child is
+older than what it joins, and goes next: a branch is evicted tail first,
+and within a list the order is LRU's.) ``remove_leaf`` unlinks. When the
+window advances, ``bucket[c][cur_win - (BINS - 1)]`` is spliced onto the
+tail of ``old[c]`` for each c (younger than all of it), before the
+rebuild. ``victim()`` walks ``ranks`` and unlinks the head of the first
+non-empty list (bin b < BINS - 1: ``bucket[c][cur_win - b]``, else
+``old[c]``). A cursor makes it O(1) amortised: every rank below ``cursor``
+has an empty list; ``add_leaf`` lowers it to the leaf's rank, a rebuild
+resets it to 0, ``victim()`` resumes from it and leaves it at the rank it
+took from (``len(ranks)`` when it found nothing). So each operation is
+O(1), plus O(CLASSES x BINS) per window of WINDOW insertions.
 
 Ghost: ``GHOST / WAYS`` sets of WAYS 32-bit entries, 0 = empty. A key maps
 to ``h = splitmix64(key)``, set ``(h >> 32) % sets``, fingerprint
