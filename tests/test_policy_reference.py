@@ -22,6 +22,8 @@ from reference.policy import (
     AdaptivePolicy,
     Ghost,
     LRUPolicy,
+    Recorder,
+    replay_calls,
     splitmix64,
 )
 from reference.simulator import BlockRequest, block_key, simulate, to_block_requests
@@ -243,6 +245,19 @@ def test_the_adaptive_policy_is_deterministic():
     runs = [simulate(blocks, 40, AdaptivePolicy(40), per_request=True).per_request
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_a_recorded_run_replays_into_a_fresh_policy():
+    """How the native port is checked: record the reference's calls on a workload,
+    replay them into the other implementation, compare every victim."""
+    blocks = to_block_requests(tiny_mix(300, 6), 4)
+    rec = Recorder(AdaptivePolicy(30))
+    res = simulate(blocks, 30, rec)
+    victims = [r for name, _, r in rec.log if name == "victim"]
+    assert len(victims) == res.evictions > 100
+    assert replay_calls(AdaptivePolicy(30), rec.log) == len(rec.log)
+    with pytest.raises(AssertionError, match="victim"):  # a different policy diverges
+        replay_calls(AdaptivePolicy(30, AdaptiveParams(classes=1)), rec.log)
 
 
 def manager_hits(requests, capacity: int, block_size: int) -> list[int]:

@@ -455,3 +455,35 @@ class AdaptivePolicy:
         for r, (c, b) in enumerate(self.ranks):
             self.rank_of[c][b] = r
         self.cursor = 0
+
+
+# ------------------------------------------------------- differential tests
+class Recorder:
+    """Wraps a policy and logs every call as ``(method, args, result)``: replay the
+    log into another implementation (the C core's) with :func:`replay_calls`."""
+
+    METHODS = ("on_insert", "on_hit", "add_leaf", "remove_leaf", "victim", "on_evict")
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.log: list[tuple[str, tuple, int | None]] = []
+
+    def __getattr__(self, name: str):
+        target = getattr(self.policy, name)
+        if name not in self.METHODS:
+            return target
+
+        def call(*args):
+            result = target(*args)
+            self.log.append((name, args, result))
+            return result
+        return call
+
+
+def replay_calls(policy: Policy, log: list[tuple[str, tuple, int | None]]) -> int:
+    """Make the logged calls on ``policy``; raises AssertionError naming the first
+    call whose result differs. Returns the number of calls."""
+    for i, (name, args, want) in enumerate(log):
+        got = getattr(policy, name)(*args)
+        assert got == want, f"call {i}: {name}{args} returned {got!r}, the log says {want!r}"
+    return len(log)
