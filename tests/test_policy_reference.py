@@ -187,11 +187,12 @@ def test_ghost_overwrites_its_oldest_entry_and_hands_it_back():
     assert ghost.sets == 1
     for key in range(4):
         assert ghost.put(key, cls=key % 2, win=10 + key, cur_win=20) is None
-    assert ghost.size() == 4
+    assert ghost.size == 4
     assert ghost.put(99, cls=1, win=19, cur_win=20) == (0, 10)  # key 0: the oldest
     assert ghost.take(0) is None and ghost.take(99) == (1, 19)
     assert ghost.take(99) is None  # taking clears it
     assert ghost.take(2) == (0, 12)
+    assert ghost.size == sum(1 for e in ghost.table if e) == 2
 
 
 def test_ghost_size_is_bounded_by_its_sets():
@@ -200,7 +201,7 @@ def test_ghost_size_is_bounded_by_its_sets():
         pol.on_insert(key, 1, 0)
         pol.add_leaf(key)
         pol.on_evict(pol.victim())
-    assert pol.ghost.size() <= 32 == len(pol.ghost.table)
+    assert pol.ghost.size == sum(1 for e in pol.ghost.table if e) <= 32 == len(pol.ghost.table)
     assert sum(map(sum, pol.ends)) > 0  # overwritten entries ended in the tables
 
 

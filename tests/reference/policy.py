@@ -249,7 +249,7 @@ class AdaptiveParams:
 
 ONE = 1 << 16  # one event in the tables' fixed point
 _WIN_MASK = 0xFFF  # a ghost entry keeps its window mod 4096
-_OLD = -1  # the bucket key of a class's old stack
+_OLD = -1  # the bucket key of a class's old list (ages past the horizon)
 
 
 def splitmix64(x: int) -> int:
@@ -270,6 +270,7 @@ class Ghost:
         self.ways = ways
         self.sets = max(1, -(-entries // ways)) if entries else 0
         self.table = [0] * (self.sets * ways)
+        self.size = 0  # entries held (for status and metrics)
 
     def _locate(self, key: int) -> tuple[int, int]:
         h = splitmix64(key & MASK64)
@@ -284,6 +285,7 @@ class Ghost:
             e = self.table[i]
             if e >> 16 == fp:
                 self.table[i] = 0
+                self.size -= 1
                 return (e >> 12) & 0xF, e & _WIN_MASK
         return None
 
@@ -299,6 +301,7 @@ class Ghost:
             e = self.table[i]
             if not e:
                 self.table[i] = entry
+                self.size += 1
                 return None
             age = (cur_win - (e & _WIN_MASK)) & _WIN_MASK
             if age > oldest_age:
@@ -306,10 +309,6 @@ class Ghost:
         e = self.table[oldest]
         self.table[oldest] = entry
         return (e >> 12) & 0xF, oldest_age
-
-    def size(self) -> int:
-        """Entries held (for status; O(entries))."""
-        return sum(1 for e in self.table if e)
 
 
 class AdaptivePolicy:
