@@ -139,6 +139,31 @@ def test_a_hit_promotes_and_counts_at_its_age():
     assert pol.cls[7] == 1 and pol.hits[0][2] == ONE and pol.stamp[7] == 3
 
 
+def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
+    """The O(BINS) backward pass equals the density written out directly:
+    hits at ages >= a over the lifetime they and the ends still take, the ends
+    counted no later than just past the class's reuses, the last bin 0."""
+    pol = AdaptivePolicy(8, AdaptiveParams(decay_shift=62))  # no decay
+    hits, ends = [0] * 64, [0] * 64
+    hits[2], hits[3], hits[4], hits[40] = 5 * ONE, 3 * ONE, ONE, ONE // 100
+    ends[1], ends[30], ends[63] = ONE, 2 * ONE, 4 * ONE
+    pol.hits[1], pol.ends[1] = hits[:], ends[:]
+    pol._rebuild()
+    cap = 5  # past bin 4 lie 1/100 of a hit, under 1/64 of the class's
+    capped = [e if b < cap else 0 for b, e in enumerate(ends)]
+    capped[cap] = sum(ends[cap:])
+
+    def direct(a: int) -> int:
+        life = sum((x - a + 1) * (hits[x] + capped[x]) for x in range(a, 64))
+        return (sum(hits[a:]) << 32) // life if life else 0
+
+    assert pol.density[1] == [direct(a) for a in range(63)] + [0]
+    assert pol.density[1][2] > pol.density[1][0] > pol.density[1][6] > 0  # reuses near: dense
+    assert pol.density[0] == [0] * 64  # a class with no events
+    keys = [(pol.density[c][b], -b, c) for c, b in pol.ranks]
+    assert keys == sorted(keys) and len(keys) == 4 * 64
+
+
 def test_cold_tables_evict_in_lru_order_and_a_branch_tail_first():
     pol = AdaptivePolicy(64)  # window = 8 ticks: all of this in one window
     a, b, c, x = 1, 2, 3, 4  # a chain a <- b <- c, and x, used after it
