@@ -93,10 +93,12 @@ Tables, per class c and age bin b: ``hits[c][b]`` and ``ends[c][b]``
   starts with ``cls = min(c + 1, CLASSES - 1)``. Otherwise ``cls = 0``.
   Either way ``stamp = tick`` (after the tick).
 - end: the ghost overwrites an entry (c, w) to make room:
-  ``ends[c][bin(cur_win - w)] += ONE``. A block not reused within the
-  ghost's reach ends there, i.e. at about its horizon age, as if it had
-  been kept that long: the tables describe reuse ages, not what this
-  policy happened to evict, so they do not feed back on themselves.
+  ``ends[c][bin(cur_win - w)] += ONE``: that block was not reused within
+  the ghost's reach. (Ends are not counted at eviction, as LHD does: a
+  returning block's reuse age, seen through the ghost, lies past its
+  eviction, so the tables would mix "as kept" hits with "as evicted" ends,
+  and old survivors would look dense; that lost 7% to LRU on the synthetic
+  workload.)
 
 Rebuild, each time ``cur_win`` advances (every WINDOW ticks, O(CLASSES x
 BINS)): first every counter ``x -= x >> DECAY_SHIFT``; then per class, the
@@ -109,25 +111,28 @@ where the class's reuses run out); then from the last bin down::
     L += E
     density[c][b] = (H << 32) // L   if L else 0     (exact; H <= L)
 
-A block that never came back ends, for the tables, at the cap: the ghost
-only sees it end at its reach (~8x the capacity in ticks), but the policy
-drops such a block once its class stops being reused, and counting it at
-the reach overstated what never-reused blocks cost as the run went on.
-The cap depends on the reuses alone, not on what the policy evicted, so it
-cannot feed back on itself.
+and last ``density[c][BINS - 1] = 0``. L is the expected remaining lifetime
+in bins, summed (LHD's ``lifetimeUnconditioned``). In C, do the rebuild in
+``unsigned __int128``: a cell holds up to ~2**23 x the events of a window,
+L sums BINS**2 of them and ``H << 32`` needs 32 bits more; the densities,
+at most 2**32, fit in u64. Why the two special cases:
 
-and then ``density[c][BINS - 1] = 0``. (L is the expected remaining
-lifetime in bins, summed: LHD's ``lifetimeUnconditioned``. In C, do the
-rebuild in ``unsigned __int128``: a cell holds up to ~2**23 x the events
-of a window, L sums BINS**2 of them, and ``H << 32`` needs 32 bits more;
-the densities, at most 2**32, fit in u64.) The last bin holds every age past the horizon, so its
-events would count as one bin of lifetime and make stale blocks look like
-the densest; a leaf older than the horizon is instead taken first (a ghost
-hit can be older than the ghost's reach: its age includes the time the
-block was cached). ``ranks``: every
-(c, b) sorted by ``(density, -b, c)``: lowest density first; ties evict the
-older bin, then the lower class. With empty tables every density is 0, so
-the order is oldest bin first: LRU at window granularity.
+- The cap: the ghost sees a block that never came back end only at its
+  reach (~8x the capacity in ticks), but the policy drops such a block
+  once its class stops being reused. Counted at the reach, never-reused
+  blocks looked costlier and costlier as the run went on (over 30K
+  think-time requests the gain over LRU fell from 1.7x to 1.2x once the
+  ghost was full). The cap depends on the reuses alone, not on what the
+  policy evicted, so it cannot feed back on itself.
+- The last bin holds every age past the horizon, so its events would
+  count as one bin of lifetime and make stale leaves look densest (a
+  ghost return can be older than the ghost's reach: its age includes the
+  time the block was cached). A leaf past the horizon goes first.
+
+``ranks``: every (c, b) sorted by ``(density, -b, c)``: lowest density
+first; ties take the older bin, then the lower class. With empty tables
+every density is 0, so the order is oldest bin first: LRU at window
+granularity.
 
 Leaf set: bucketed lists, each a doubly linked list in C with a head
 (oldest) and a tail. ``bucket[c][w]`` holds the class-c leaves of window
@@ -155,8 +160,9 @@ to ``h = splitmix64(key)``, set ``(h >> 32) % sets``, fingerprint
 0xFFF)``, and its age in windows is ``(cur_win - win) & 0xFFF``. Lookup
 (``on_insert``): the first way with the fingerprint. Insert (``on_evict``):
 the first empty way, else the way with the greatest age (first on ties),
-whose entry ends. 4 bytes per entry: 32 bytes per cached block at 8x. A
-false match (~WAYS / 65536 per insert) only adds a spurious hit to the
+whose entry ends. 4 bytes per entry: 32 bytes per cached block at 8x
+(plus a count of entries held, and ``ghost_hits``, the inserts the ghost
+remembered: what status and metrics show). A false match (~WAYS / 65536 per insert) only adds a spurious hit to the
 tables; ages alias only if a set saw no insert for 4096 windows (512 x the
 capacity in insertions), which a full cache cannot do.
 """
