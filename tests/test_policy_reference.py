@@ -404,6 +404,15 @@ def test_bench_policy_runs_end_to_end(capsys):
     assert set(result) >= {"think_20pct_ok", "think_50pct_ok", "floor_ok", "min_ratio"}
 
 
+def test_bench_manager_replay_is_the_simulators_lru_today():
+    """--manager's replay path, run with the manager's default (LRU) policy."""
+    requests = tiny_think(300, seed=8)
+    got = bench.manager_replay(requests, 40, 4, None)
+    want = simulate(to_block_requests(requests, 4), 40, LRUPolicy())
+    assert got["hit_rate"] == pytest.approx(want.hit_rate) and want.evictions > 0
+    assert got["rejected"] == 0 and got["requests_per_s"] > 0
+
+
 def test_bench_policy_manager_mode_is_pending_until_the_core_has_the_policy():
     if "eviction_policy" in CacheConfig.__dataclass_fields__:
         pytest.skip("the core has eviction_policy: --manager is live")
