@@ -394,14 +394,17 @@ def test_find_capacity_hits_the_target_on_a_monotone_curve():
 
 
 def test_bench_policy_runs_end_to_end(capsys):
-    result = bench.main(["--workloads", "think", "synthetic", "--seeds", "0", "--requests",
-                         "400", "--think-time", "20", "80", "--turns", "2", "8"])
+    result = bench.main(["--seeds", "0", "--requests", "400", "--think-time", "20", "80",
+                         "--turns", "2", "8", "--scan-fraction", "0.2"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["backend"] == "simulator" and len(line["rows"]) == 6
+    assert line["backend"] == "simulator" and len(line["rows"]) == 9
     for row in result["rows"]:
         assert row["optimum"] >= row["lru"] - 1e-9
         assert row["ratio"] == pytest.approx(row["adaptive"] / row["lru"])
-    assert set(result) >= {"think_20pct_ok", "think_50pct_ok", "floor_ok", "min_ratio"}
+        assert ("scan_loss_adaptive" in row) == (row["workload"] == "scan")
+    assert set(result) >= {"think_20pct_ok", "think_50pct_ok", "floor_ok", "min_ratio",
+                           "scan_loss_max"}
+    assert result["scan_loss_max"]["lru"] > 0  # the one-offs do push conversations out
 
 
 def test_bench_manager_replay_is_the_simulators_lru_today():
