@@ -16,10 +16,21 @@ its previous one, by when eviction may have moved or dropped it), and a
 conversation that reached its number of turns (drawn from 1..max_turns) is
 replaced by a fresh one. Everything is drawn from one numpy Generator, so a
 seed fixes the whole workload, outputs included.
+
+Two more shapes, for eviction policies (``scripts/bench_policy.py``):
+
+- :func:`iter_think_time_workload`: production chat, where a conversation's
+  next turn comes back only after a *think time* of many other requests
+  (hundreds), not after a geometric gap of a few dozen. This is what LRU
+  handles worst: by the time a turn returns, its blocks are the oldest.
+- :func:`mix_one_off_prompts`: any workload with one-off long prompts
+  (documents pasted once, batch jobs) mixed in, which a scan-resistant
+  policy must not let flush the conversations out.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -123,6 +134,86 @@ def _check_args(num_requests, num_system_prompts, turn_tokens, output_tokens, ma
                              f"got {(lo, hi)}")
 
 
+# --------------------------------------------------------- think-time chat
+def iter_think_time_workload(num_requests: int, seed: int = 0,
+                             think_time: tuple[int, int] = (200, 1000),
+                             turns: tuple[int, int] = (2, 10), num_system_prompts: int = 8,
+                             system_tokens: int = 512, turn_tokens: tuple[int, int] = (64, 256),
+                             output_tokens: tuple[int, int] = (64, 256),
+                             vocab: int = 32000) -> Iterator[ChatRequest]:
+    """Chat turns where a conversation comes back only after ``think_time`` other requests.
+
+    Prompts grow as in :func:`iter_chat_workload`. A conversation has a
+    number of turns drawn from ``turns`` (inclusive); after each turn but its
+    last, its next turn is due ``think_time`` (inclusive range, in requests)
+    later. Each step serves the turn that has been due longest (earliest due
+    time, then lowest conversation id), or starts a new conversation when no
+    turn is due: the stream is one request per step, and about
+    ``mean(think_time)`` conversations are open at once. A seed fixes everything.
+    """
+    _check_args(num_requests, num_system_prompts, turn_tokens, output_tokens, max(turns),
+                1, vocab)
+    for name, (lo, hi), low in (("think_time", think_time, 0), ("turns", turns, 1)):
+        if not low <= lo <= hi:
+            raise ValueError(f"{name} must be a range (low, high) with {low} <= low <= high, "
+                             f"got {(lo, hi)}")
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, vocab, system_tokens).tolist()
+               for _ in range(num_system_prompts)]
+    due: list[tuple[int, int]] = []  # (step the next turn is due, conversation id)
+    open_convs: dict[int, _Conversation] = {}
+    next_cid = 0
+    for step in range(num_requests):
+        if due and due[0][0] <= step:
+            conv = open_convs[heapq.heappop(due)[1]]
+        else:
+            conv = _Conversation(next_cid, list(systems[int(rng.integers(num_system_prompts))]),
+                                 int(rng.integers(turns[0], turns[1] + 1)))
+            open_convs[next_cid] = conv
+            next_cid += 1
+        user = _tokens(rng, turn_tokens, vocab)
+        output = _tokens(rng, output_tokens, vocab)
+        prompt = conv.history + user
+        yield ChatRequest(step, conv.cid, conv.turn, prompt, output)
+        conv.history = prompt + output
+        conv.turn += 1
+        conv.turns_left -= 1
+        if conv.turns_left:
+            think = int(rng.integers(think_time[0], think_time[1] + 1))
+            heapq.heappush(due, (step + 1 + think, conv.cid))
+        else:
+            del open_convs[conv.cid]
+
+
+def mix_one_off_prompts(requests: Iterable[ChatRequest], seed: int = 0, fraction: float = 0.05,
+                        prompt_tokens: tuple[int, int] = (2048, 8192),
+                        output_tokens: tuple[int, int] = (64, 256),
+                        vocab: int = 32000) -> Iterator[ChatRequest]:
+    """``requests`` with one-off long prompts mixed in (scan resistance).
+
+    Before each request, with probability ``fraction``, a prompt of random
+    tokens (length drawn from ``prompt_tokens``) that shares nothing with
+    anything is served first; it has ``conversation_id`` -1 and turn 0.
+    Request ids are renumbered in order. The mix is drawn from its own
+    Generator, so ``seed`` fixes it whatever ``requests`` is.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
+    for name, (lo, hi) in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be a range (low, high) with 1 <= low <= high, "
+                             f"got {(lo, hi)}")
+    rng = np.random.default_rng(seed)
+    rid = 0
+    for req in requests:
+        if rng.random() < fraction:
+            yield ChatRequest(rid, -1, 0, _tokens(rng, prompt_tokens, vocab),
+                              _tokens(rng, output_tokens, vocab))
+            rid += 1
+        yield ChatRequest(rid, req.conversation_id, req.turn, req.prompt, req.output)
+        rid += 1
+
+
 # ------------------------------------------------------------------- replay
 def replay(mgr, requests: Iterable[ChatRequest],
            on_progress: Callable[[int, dict], None] | None = None) -> dict:
@@ -179,4 +270,5 @@ def _record(res: dict, req: ChatRequest, a, bs: int, secs: tuple[float, float, f
         res[key].append(s * 1e6)
 
 
-__all__ = ["ChatRequest", "generate_chat_workload", "iter_chat_workload", "replay"]
+__all__ = ["ChatRequest", "generate_chat_workload", "iter_chat_workload",
+           "iter_think_time_workload", "mix_one_off_prompts", "replay"]

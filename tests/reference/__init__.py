@@ -1,0 +1,1 @@
+"""Reference models: plain-Python oracles that the native cache core is tested against."""
