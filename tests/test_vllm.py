@@ -216,3 +216,19 @@ def test_workers_from_kvcached_launch(model, baseline, tmp_path):
     cold, warm = generated(res)
     assert cold["outputs"] == warm["outputs"] == baseline
     assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+
+
+def test_bench_vllm_quick():
+    """The benchmark's smoke run (a tiny model): every mode serves the same
+    greedy outputs, hits are served whole, chat computes no more than the
+    workload allows."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_vllm.py"
+    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                         text=True, timeout=1500)
+    assert res.returncode == 0, res.stderr[-5000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "vllm" and out["identical_outputs"], out["identical"]
+    assert out["cpu_hit_blocks_served"] >= 0.9 and out["storage_hit_blocks_served"] >= 0.9
+    chat = out["chat"]
+    assert out["chat_points_above_least"] <= 5.0, chat  # the issue's target
+    assert chat["kvcached"]["computed_tokens"] <= chat["plain"]["computed_tokens"]
