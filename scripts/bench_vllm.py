@@ -224,18 +224,22 @@ def child(spec: dict) -> dict:
 # ----------------------------------------------------------------- parent
 def run_mode(name: str, model: str, p: dict, connector: dict | None,
              phases: list[str]) -> dict:
+    # The result travels in a file: vLLM's processes share the child's stdout
+    # and may write to it at any moment, even mid-line.
+    result = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-")) / "result.json"
     spec = {"name": name, "model": model, "params": p, "connector": connector,
-            "phases": phases, "kv_mb": p["kv_mb"]}
+            "phases": phases, "kv_mb": p["kv_mb"], "result": str(result)}
     t = time.monotonic()
     # vLLM's own progress stays quiet; its warnings and ours reach stderr.
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                         stdout=subprocess.PIPE, text=True, timeout=3600, env=env)
-    lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-    if res.returncode or not lines:
+                         stdout=sys.stderr, timeout=3600, env=env)
+    if res.returncode or not result.exists():
         raise SystemExit(f"mode {name} failed (rc {res.returncode}); its log is above")
     log(f"{name}: done in {time.monotonic() - t:.0f}s")
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(result.read_text())
+    result.unlink()
+    result.parent.rmdir()
     out["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # other work on the machine
     return out
 
@@ -303,7 +307,8 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        spec = json.loads(args.child)
+        Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
     p = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:
