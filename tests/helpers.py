@@ -114,3 +114,18 @@ def running_workload(mgr, seed: int, steps: int = 300):
         yield i, rng, held
         if len(held) > rng.randrange(1, 4):
             mgr.free(held.pop(0))
+
+
+def own_pages_zeros(shape: tuple, dtype=None, offset: int = 64):
+    """A zeroed tensor on pages of its own (an mmap), starting ``offset`` bytes
+    into its first page as a large malloc allocation does: what
+    ``share_in_place`` needs (a buffer in the malloc heap is refused)."""
+    import math
+    import mmap
+
+    import torch
+    dtype = dtype or torch.float32
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mm = mmap.mmap(-1, offset + nbytes)
+    # frombuffer keeps ``mm`` alive as long as the tensor
+    return torch.frombuffer(mm, dtype=torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)

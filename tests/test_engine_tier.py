@@ -10,6 +10,7 @@ import hashlib
 
 import pytest
 import torch
+from helpers import own_pages_zeros
 
 from kvcached import CacheConfig
 from kvcached.core.manager import CacheManager
@@ -26,7 +27,7 @@ def engine_planes(run_dir, fused: bool, rank: int = 0) -> tuple[list[torch.Tenso
     per_plane = 2 * LAYOUT["head_dim"] if fused else LAYOUT["head_dim"]
     n_planes = LAYOUT["num_layers"] * (1 if fused else 2)
     shape = (ENGINE_BLOCKS, LAYOUT["num_kv_heads"], LAYOUT["block_size"], per_plane)
-    buf = torch.zeros((n_planes, *shape))
+    buf = own_pages_zeros((n_planes, *shape))  # a buffer of its own, as vLLM's
     planes = list(buf.unbind(0))
     region = share_in_place(buf.data_ptr(), buf.nbytes, f"test-engine-rank{rank}", buf)
     kvshare.export_kv_cache(planes, rank, run_dir)

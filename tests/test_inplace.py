@@ -7,9 +7,10 @@ import sys
 
 import pytest
 import torch
+from helpers import own_pages_zeros
 
 from kvcached.memory import shm
-from kvcached.memory.inplace import share_in_place
+from kvcached.memory.inplace import own_pages_for_large_allocations, share_in_place
 
 CHILD = """
 import sys, torch
@@ -25,7 +26,8 @@ view.fill_(7.0)
 def test_views_keep_their_data_and_another_process_shares_it(monkeypatch, chunk):
     from kvcached.memory import inplace
     monkeypatch.setattr(inplace, "_CHUNK", chunk)
-    buf = torch.arange(1024, dtype=torch.float32)
+    buf = own_pages_zeros((1024,))
+    buf.copy_(torch.arange(1024, dtype=torch.float32))
     view = buf[10:20]  # a view taken before the move stays valid
     region = share_in_place(buf.data_ptr(), buf.nbytes, "test-inplace", buf)
     assert region.path.startswith("/proc/") and region.nbytes % 4096 == 0
@@ -42,3 +44,26 @@ def test_views_keep_their_data_and_another_process_shares_it(monkeypatch, chunk)
 def test_nothing_to_share_is_an_error():
     with pytest.raises(ValueError, match="nothing to share"):
         share_in_place(0, 0, "empty", None)
+
+
+def test_a_buffer_in_the_malloc_heap_is_refused():
+    """Its first and last pages hold other allocations: shared, another process
+    (or a forked child) would write into this process's heap."""
+    buf = torch.arange(1024, dtype=torch.float32)  # 4 KiB: malloc serves it from the heap
+    with pytest.raises(ValueError, match="lies in the malloc heap"):
+        share_in_place(buf.data_ptr(), buf.nbytes, "heap", buf)
+    assert torch.equal(buf, torch.arange(1024, dtype=torch.float32))  # untouched
+    assert shm.find_segment(buf) is None
+
+
+def test_own_pages_for_large_allocations_lets_a_torch_buffer_move():
+    """What the vLLM connector does before vLLM allocates its KV cache."""
+    if not own_pages_for_large_allocations(True):
+        pytest.skip("the allocator has no mallopt (not glibc)")
+    try:
+        buf = torch.full((1 << 19,), 3.0)  # 2 MiB: its own pages now
+    finally:
+        own_pages_for_large_allocations(False)
+    region = share_in_place(buf.data_ptr(), buf.nbytes, "own-pages", buf)
+    assert region.nbytes >= buf.nbytes and torch.all(buf == 3.0)
+    assert shm.find_segment(buf)[0] == region.path

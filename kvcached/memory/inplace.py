@@ -9,9 +9,14 @@ buffer's current contents, then is mapped over the buffer with
 ``MAP_FIXED``; every existing view, pointer and stride stays valid, and a
 transfer worker maps the same file through ``/proc/<pid>/fd/<fd>``.
 
-The mapping covers whole pages: the bytes around the buffer in its first and
-last page move along, with their contents, so nothing else in the process
-changes either. It is done a chunk at a time, so the move never holds two
+The mapping covers whole pages, so the buffer must own every page it
+touches: an allocation of its own (glibc, tcmalloc and jemalloc give large
+allocations their own pages; a KV cache is large). A buffer in the malloc
+heap shares its first and last pages with other allocations: moved, their
+bytes would race with writers during the move, and every forked child would
+then write into this process's heap. Such a buffer is refused, and
+``own_pages_for_large_allocations`` (called before the engine allocates its
+KV cache) makes glibc give even a small one its own pages. It is done a chunk at a time, so the move never holds two
 copies of the cache. The engine must not write the buffer while it moves (vLLM
 registers its KV cache before the first forward). A memory file is not
 limited by the size of /dev/shm, and it disappears with the process: nothing
@@ -37,6 +42,33 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 
 
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
+_GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # the most its dynamic threshold rises to
+
+
+def own_pages_for_large_allocations(large: bool = True) -> bool:
+    """``large`` True: every allocation of 1 MiB or more gets pages of its own
+    (glibc's mmap threshold); False: back to a threshold of 32 MiB, the most
+    glibc's own dynamic one rises to (so that the engine's later allocations
+    are served as usual). Returns whether the allocator took it (only glibc
+    has ``mallopt``)."""
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, (1 << 20) if large else _GLIBC_MMAP_THRESHOLD_MAX))
+
+
+def _heap_overlaps(start: int, end: int) -> bool:
+    """Whether [start, end) overlaps the malloc heap (``[heap]`` in /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith("[heap]"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if start < hi and lo < end:
+                    return True
+    return False
+
+
 @dataclass(frozen=True)
 class SharedRegion:
     """A range of this process's memory now backed by a shared memory file."""
@@ -59,6 +91,12 @@ def share_in_place(address: int, nbytes: int, name: str, keepalive: object) -> S
     page = mmap.PAGESIZE
     base = address - address % page
     size = -(-(address + nbytes - base) // page) * page
+    if _heap_overlaps(base, base + size):
+        raise ValueError(
+            f"{name}: the buffer at {address:#x} ({nbytes} bytes) lies in the malloc heap, "
+            "where its first and last pages hold other allocations that must not be shared "
+            "with another process; allocate it on pages of its own (an allocation of 1 MiB "
+            "or more after own_pages_for_large_allocations(), or an mmap)")
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10  # MAP_FIXED
     try:

@@ -60,6 +60,11 @@ class WorkerHalf:
         self.event = None  # the rank's KV event on CUDA
         self.finished: set[str] = set()
         self.load_errors: set[int] = set()
+        if vllm_config.device_config.device_type == "cpu":
+            # vLLM allocates its KV cache next: on pages of its own, so that
+            # it can be moved into shared memory in place (inplace.py)
+            from kvcached.memory.inplace import own_pages_for_large_allocations
+            own_pages_for_large_allocations(True)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         planes = planes_of(kv_caches, list(self.group.layer_names), self.num_blocks)
@@ -72,7 +77,7 @@ class WorkerHalf:
 
     def _share_cpu(self, planes: list[torch.Tensor]) -> None:
         """Each backing buffer of the planes into shared memory, in place."""
-        from kvcached.memory.inplace import share_in_place
+        from kvcached.memory.inplace import own_pages_for_large_allocations, share_in_place
         seen = set()
         for p in planes:
             storage = p.untyped_storage()
@@ -81,6 +86,7 @@ class WorkerHalf:
             seen.add(storage.data_ptr())
             self.regions.append(share_in_place(
                 storage.data_ptr(), storage.nbytes(), f"kvcached-kv-rank{self.rank}", p))
+        own_pages_for_large_allocations(False)  # vLLM's allocations as usual from here
 
     def after_forward(self) -> None:
         """A forward finished on this rank (vLLM's wait_for_save): on CUDA the KV
