@@ -143,3 +143,102 @@ int heap_peek_key(const leafheap_t *h, uint64_t *hi, uint64_t *lo) {
     *lo = h->a[0].lo;
     return 1;
 }
+
+/* ------------------------------------------------------ leaves, by policy */
+
+/* The calls ops.c makes on a tier's evictable leaves, each answered by the
+ * tier's LRU heap or by its adaptive policy (c->pol[t]). Under the adaptive
+ * policy the heaps stay empty, node.heap_pos stays NIL and last_access is
+ * still stamped (it is cheap, and the snapshot shows it). */
+
+void pol_log(core_t *c, int t, int op, uint64_t key) {
+    if (c->n_pol_log + 2 > c->pol_log_cap) {
+        int32_t cap = c->pol_log_cap ? c->pol_log_cap * 2 : 1024;
+        int64_t *grown = realloc(c->pol_log, sizeof(int64_t) * (size_t)cap);
+        if (grown == NULL) return; /* a test hook: a lost entry fails the replay */
+        c->pol_log = grown;
+        c->pol_log_cap = cap;
+    }
+    c->pol_log[c->n_pol_log++] = (int64_t)(t << 8 | op);
+    c->pol_log[c->n_pol_log++] = (int64_t)key;
+}
+
+#define LOG(c, t, op, i)                                               \
+    do {                                                               \
+        if ((c)->pol_log_on) pol_log(c, t, op, node_key(c, i));        \
+    } while (0)
+
+int leaves_add(core_t *c, int t, int32_t node) {
+    policy_t *p = c->pol[t];
+    if (p == NULL) return heap_add(c, &c->lru[t], node);
+    if (!pol_listed(p, node)) { /* a listed leaf keeps its place: only a hit moves it */
+        pol_add_leaf(p, node);
+        LOG(c, t, PL_ADD, node);
+    }
+    return 0;
+}
+
+void leaves_remove(core_t *c, int t, int32_t node) {
+    policy_t *p = c->pol[t];
+    if (p == NULL) {
+        heap_remove(c, &c->lru[t], node);
+    } else if (pol_listed(p, node)) {
+        pol_remove_leaf(p, node);
+        LOG(c, t, PL_REMOVE, node);
+    }
+}
+
+int32_t leaves_pop(core_t *c, int t) {
+    policy_t *p = c->pol[t];
+    if (p == NULL) return heap_pop(c, &c->lru[t]);
+    int32_t i = pol_victim(p);
+    if (c->pol_log_on) pol_log(c, t, PL_VICTIM | (i == NIL ? 0x10000 : 0),
+                               i == NIL ? 0 : node_key(c, i));
+    return i;
+}
+
+/* add(leaf) then pop(); with the heap, when the leaf would come straight back
+ * out, the heap is not touched (eviction walking up a chain takes this path). */
+int32_t leaves_push_pop(core_t *c, int t, int32_t leaf) {
+    leafheap_t *h = &c->lru[t];
+    if (c->pol[t] != NULL || leaf == NIL) {
+        if (leaf != NIL) leaves_add(c, t, leaf);
+        return leaves_pop(c, t);
+    }
+    if (N(c, leaf)->heap_pos[h->tier] == NIL) {
+        uint64_t mhi, mlo, hi, lo;
+        if (!heap_peek_key(h, &mhi, &mlo) || N(c, leaf)->last_access < mhi) return leaf;
+        heap_key_of(c, h, leaf, &hi, &lo);
+        if (hi < mhi || (hi == mhi && lo < mlo)) return leaf;
+        heap_insert_key(c, h, leaf, hi, lo);
+    } else {
+        heap_add(c, h, leaf);
+    }
+    return heap_pop(c, h);
+}
+
+int32_t leaves_count(const core_t *c, int t) {
+    return c->pol[t] != NULL ? (int32_t)c->pol[t]->n_leaves : c->lru[t].size;
+}
+
+int leaves_listed(const core_t *c, int t, int32_t node) {
+    return c->pol[t] != NULL ? pol_listed(c->pol[t], node) : c->nodes[node].heap_pos[t] != NIL;
+}
+
+void pol_sync_slow(core_t *c, int32_t i) {
+    const node_t *n = N(c, i);
+    for (int t = 0; t < 2; t++) {
+        policy_t *p = c->pol[t];
+        if (p == NULL) continue;
+        int has = (t == T_GPU ? n->gpu : n->cpu) >= 0;
+        if (has == pol_tracked(p, i)) continue;
+        if (has) {
+            pol_on_insert(p, i, node_key(c, i));
+            LOG(c, t, PL_INSERT, i);
+        } else {
+            leaves_remove(c, t, i);
+            pol_on_evict(p, i, node_key(c, i));
+            LOG(c, t, PL_EVICT, i);
+        }
+    }
+}

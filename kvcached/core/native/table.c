@@ -306,6 +306,9 @@ int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]) {
             c->free_nodes = free_grown;
             c->cap = cap; /* the free stack never holds more than cap slots */
         }
+        for (int t = 0; t < 2; t++) { /* the policy's entries follow the node slots */
+            if (c->pol[t] != NULL && pol_reserve(c->pol[t], c->n_slots + 1) < 0) return NIL;
+        }
         i = c->n_slots++;
     }
     node_reset(N(c, i), parent, N(c, parent)->depth + 1, hash);
@@ -329,8 +332,23 @@ void node_release(core_t *c, int32_t i) {
 }
 
 int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo,
-              int external) {
+              int external, int policy, const pol_params_t *params) {
     memset(c, 0, sizeof *c);
+    c->policy = policy;
+    if (policy != POLICY_LRU) { /* one adaptive policy per tier that has blocks */
+        c->pol_params = *params;
+        int32_t blocks[2] = {gpu_blocks, cpu_blocks};
+        for (int t = 0; t < 2; t++) {
+            if (blocks[t] == 0) continue;
+            c->pol[t] = malloc(sizeof(policy_t));
+            if (c->pol[t] == NULL || pol_init(c->pol[t], blocks[t], params) < 0) {
+                free(c->pol[t]);
+                c->pol[t] = NULL;
+                core_free(c);
+                return -1;
+            }
+        }
+    }
     c->cap = 1024;
     c->nodes = node_array(c->cap);
     c->free_nodes = malloc(sizeof(int32_t) * (size_t)c->cap);
@@ -373,5 +391,11 @@ void core_free(core_t *c) {
     pool_free_all(&c->pools[T_CPU]);
     heap_free_all(&c->lru[T_GPU]);
     heap_free_all(&c->lru[T_CPU]);
+    for (int t = 0; t < 2; t++) {
+        if (c->pol[t] == NULL) continue;
+        pol_free(c->pol[t]);
+        free(c->pol[t]);
+    }
+    free(c->pol_log);
     memset(c, 0, sizeof *c);
 }
