@@ -203,6 +203,8 @@ def test_env_bad_number(monkeypatch, var, field, text, kind):
     ("cuda_copy_d2h", "dma", "cuda_copy_d2h must be one of 'kernel', 'direct', 'batch'; "
                              "got 'dma'"),
     ("cuda_copy_h2d", "", "cuda_copy_h2d must be one of 'kernel', 'direct', 'batch'; got ''"),
+    ("eviction_policy", "lfu", "eviction_policy must be one of 'lru', 'adaptive'; got 'lfu'"),
+    ("eviction_policy", 1, "eviction_policy must be a string, got 1"),
     ("cuda_grid_blocks", 0, "cuda_grid_blocks must be in 1..1024"),
     ("cuda_grid_blocks", 1025, "got 1025"),
     ("cuda_block_threads", 48, "cuda_block_threads must be a multiple of 32 in 32..512, got 48"),
@@ -214,6 +216,21 @@ def test_invalid_value_names_field_value_and_allowed(key, value, message):
     with pytest.raises(ValueError) as e:
         CacheConfig.load(**{key: value})
     assert message in str(e.value)
+
+
+def test_eviction_policy_reaches_the_core(monkeypatch, tmp_path):
+    assert CacheConfig.load().eviction_policy == "lru"
+    monkeypatch.setenv("KVCACHED_EVICTION_POLICY", "adaptive")
+    cfg = CacheConfig.load(num_gpu_blocks=8, num_cpu_blocks=4, transfer_mode="inprocess",
+                           run_dir=str(tmp_path), check_host_memory=False)
+    assert cfg.eviction_policy == "adaptive"
+    from kvcached.core.manager import CacheManager
+    mgr = CacheManager(cfg)
+    try:
+        assert mgr.core.policy == "adaptive"
+        assert set(mgr.core.policy_stats()) == {"policy", "params", "gpu", "cpu"}
+    finally:
+        mgr.close()
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "redis"])

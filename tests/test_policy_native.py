@@ -372,3 +372,43 @@ def test_block_requests_with_namespace_use_the_managers_keys():
     from kvcached.core.hashing import block_hashes
     assert b.keys == [int.from_bytes(h[:8], "little")
                       for h in block_hashes(ns, list(range(10)) + [1, 2], 4)]
+
+
+# ------------------------------------------------------ status and metrics
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_status_and_metrics_show_the_policy_and_its_ghost(tmp_path, policy):
+    """A GPU + CPU manager that evicted, and whose tiers saw evicted blocks come
+    back: stats().policy, `kvcached status`'s text and /metrics agree."""
+    from test_ops import metric, scrape
+
+    from kvcached.ops.metrics import MetricsServer
+    from kvcached.ops.statusview import render_status
+
+    cfg = tiny_config(run_dir=str(tmp_path), num_gpu_blocks=16, num_cpu_blocks=24,
+                      eviction_policy=policy)
+    with CacheManager(cfg).start() as mgr:
+        replay(mgr, tiny_think(300, seed=1))
+        pol = mgr.stats().policy
+        assert pol["name"] == policy
+        text = render_status(mgr.status())
+        assert f"eviction policy: {policy}" in text
+        with MetricsServer(mgr) as server:
+            scraped = scrape(server.url)
+    assert metric(scraped, "kvcached_eviction_policy", policy=policy) == 1
+    if policy == "lru":
+        assert set(pol) == {"name"} and "ghost" not in text
+        return
+    for tier, blocks in (("gpu", 16), ("cpu", 24)):
+        p = pol[tier]
+        assert p["ghost_slots"] == 8 * blocks and p["ghost_bytes"] == 4 * p["ghost_slots"]
+        assert 0 < p["ghost_entries"] <= p["ghost_slots"]
+        assert p["ghost_hits"] > 0 and p["hits"] > 0 and p["inserts"] > 0
+        assert p["ghost_hit_share"] == pytest.approx(
+            p["ghost_hits"] / (p["hits"] + p["ghost_hits"]))
+        assert (f"{tier}: ghost {p['ghost_entries']} of {p['ghost_slots']} entries") in text
+        # nothing ran between the stats and the scrape
+        assert metric(scraped, "kvcached_ghost_entries", tier=tier) == p["ghost_entries"]
+        assert metric(scraped, "kvcached_ghost_hits_total", tier=tier) == p["ghost_hits"]
+        assert metric(scraped, "kvcached_policy_hits_total", tier=tier) == p["hits"]
+        assert metric(scraped, "kvcached_ghost_hit_share", tier=tier) == pytest.approx(
+            p["ghost_hit_share"])
