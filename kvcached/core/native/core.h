@@ -24,7 +24,7 @@
 
 /* Tier states (kvcached.core.types.Tier has the same numbers). */
 enum { S_GPU = 0, S_SWAP_OUT = 1, S_CPU = 2, S_SWAP_IN = 3, S_STORAGE = 4 };
-/* The two local tiers, as indexes of core.pools / core.lru / node.heap_pos. */
+/* The two local tiers, as indexes of core.pools / core.lru / core.pol. */
 enum { T_GPU = 0, T_CPU = 1 };
 
 /* A wide node's children by hash (table.c): 32 bits of the child's hash
@@ -51,7 +51,7 @@ typedef struct __attribute__((aligned(64))) {
     int32_t n_children;
     int32_t n_gpu_children; /* children in GPU or SWAP_IN */
     int32_t n_cpu_children; /* children holding a CPU block */
-    int32_t heap_pos[2];    /* place in each tier's leaf heap, NIL when not listed */
+    uint8_t spare[8];
     /* children: a doubly linked sibling list, or (a wide node) kids */
     int32_t first_child, next_sib;
     uint64_t last_access;
@@ -72,9 +72,13 @@ typedef struct __attribute__((aligned(64))) {
 
 _Static_assert(sizeof(node_t) == 128, "node_t is two cache lines");
 
-/* Memo records by size class (table.c): free lists over 64 KiB chunks. */
+/* Memo records by size class (table.c): 64 KiB chunks carved into slots, the
+ * free ones on a stack per class (an array: freeing a record never touches
+ * its memory, a cache miss per evicted block when the free list ran through
+ * the records). */
 typedef struct {
-    void *free[6];
+    void **free[6];
+    size_t n_free[6], cap_free[6];
     void **chunks;
     size_t n_chunks, cap_chunks;
 } recpool_t;
@@ -96,11 +100,16 @@ typedef struct {
     int32_t node;
 } heap_entry;
 
-/* The evictable leaves of one tier, a 4-ary min-heap whose nodes know their
- * position: add, remove and pop are O(log n) and the order is the key's. */
+/* The evictable leaves of one tier, a 4-ary min-heap that knows where each
+ * node is (pos, by node slot: NIL when not listed): add, remove and pop are
+ * O(log n) and the order is the key's. The positions are an array of their
+ * own, not a node field: a pop moves ~log4(n) entries, and writing each one's
+ * position into its node was a cache miss per level at a million blocks. */
 typedef struct {
     heap_entry *a;
     int32_t size, cap;
+    int32_t *pos;
+    int32_t pos_cap;
     uint64_t seq;
     int tier;
 } leafheap_t;
@@ -283,6 +292,8 @@ int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit);
 
 /* lru.c */
 int heap_init(leafheap_t *h, int tier);
+int heap_reserve(leafheap_t *h, int32_t n); /* positions for node slots 0 .. n-1 */
+static inline int32_t heap_pos(const leafheap_t *h, int32_t node) { return h->pos[node]; }
 void heap_free_all(leafheap_t *h);
 int heap_add(core_t *c, leafheap_t *h, int32_t node);  /* insert or re-key; -1: no memory */
 int heap_insert_key(core_t *c, leafheap_t *h, int32_t node, uint64_t hi, uint64_t lo);

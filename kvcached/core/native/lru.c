@@ -1,9 +1,11 @@
 /* The evictable leaves of one tier, least recently used first: a 4-ary
- * min-heap whose nodes record their position (node.heap_pos[tier]), so
- * listing, unlisting, re-keying and popping are all O(log n) and no stale
- * entry is ever kept. Nothing scans the leaves. Four children per entry
- * halve the levels a pop walks through: at a million cached blocks the lower
- * levels are cache misses, and they were most of an eviction's cost.
+ * min-heap that records each node's position (h->pos[node], an array by node
+ * slot: 4 bytes per node, dense, where writing a position into the node
+ * record was a cache miss per level a pop moved), so listing, unlisting,
+ * re-keying and popping are all O(log n) and no stale entry is ever kept.
+ * Nothing scans the leaves. Four children per entry halve the levels a pop
+ * walks through: at a million cached blocks the lower levels are cache
+ * misses, and they were most of an eviction's cost.
  *
  * Key: (last_access, inverted depth, insertion order), packed as two words:
  * older first; on a tie the deeper node first (a chain's tail goes before
@@ -23,14 +25,30 @@ int heap_init(leafheap_t *h, int tier) {
     h->size = 0;
     h->seq = 0;
     h->tier = tier;
+    h->pos = NULL;
+    h->pos_cap = 0;
     h->a = malloc(sizeof(heap_entry) * (size_t)h->cap);
-    return h->a == NULL ? -1 : 0;
+    return h->a == NULL || heap_reserve(h, 1024) < 0 ? -1 : 0;
+}
+
+int heap_reserve(leafheap_t *h, int32_t n) {
+    if (n <= h->pos_cap) return 0;
+    int32_t cap = h->pos_cap ? h->pos_cap : 1024;
+    while (cap < n) cap *= 2;
+    int32_t *grown = realloc(h->pos, sizeof(int32_t) * (size_t)cap);
+    if (grown == NULL) return -1;
+    for (int32_t k = h->pos_cap; k < cap; k++) grown[k] = NIL;
+    h->pos = grown;
+    h->pos_cap = cap;
+    return 0;
 }
 
 void heap_free_all(leafheap_t *h) {
     free(h->a);
+    free(h->pos);
     h->a = NULL;
-    h->size = h->cap = 0;
+    h->pos = NULL;
+    h->size = h->cap = h->pos_cap = 0;
 }
 
 static inline int less(const heap_entry *x, const heap_entry *y) {
@@ -39,7 +57,7 @@ static inline int less(const heap_entry *x, const heap_entry *y) {
 
 static inline void place(core_t *c, leafheap_t *h, int32_t pos, heap_entry e) {
     h->a[pos] = e;
-    N(c, e.node)->heap_pos[h->tier] = pos;
+    h->pos[e.node] = pos;
 }
 
 static void sift_up(core_t *c, leafheap_t *h, int32_t pos) {
@@ -96,7 +114,7 @@ int heap_insert_key(core_t *c, leafheap_t *h, int32_t node, uint64_t hi, uint64_
 /* List `node`, or re-key it when its last access changed since it was
  * listed (an unchanged one keeps its place). */
 int heap_add(core_t *c, leafheap_t *h, int32_t node) {
-    int32_t pos = N(c, node)->heap_pos[h->tier];
+    int32_t pos = h->pos[node];
     uint64_t hi, lo;
     if (pos != NIL) {
         if (h->a[pos].hi == N(c, node)->last_access) return 0;
@@ -116,9 +134,9 @@ int heap_add(core_t *c, leafheap_t *h, int32_t node) {
 }
 
 void heap_remove(core_t *c, leafheap_t *h, int32_t node) {
-    int32_t pos = N(c, node)->heap_pos[h->tier];
+    int32_t pos = h->pos[node];
     if (pos == NIL) return;
-    N(c, node)->heap_pos[h->tier] = NIL;
+    h->pos[node] = NIL;
     h->size--;
     if (pos == h->size) return;
     heap_entry last = h->a[h->size];
@@ -133,6 +151,9 @@ void heap_remove(core_t *c, leafheap_t *h, int32_t node) {
 int32_t heap_pop(core_t *c, leafheap_t *h) {
     if (h->size == 0) return NIL;
     int32_t node = h->a[0].node;
+    /* the caller evicts it: its record loads while the heap sifts */
+    __builtin_prefetch(N(c, node), 1);
+    __builtin_prefetch((const char *)N(c, node) + 64, 1);
     heap_remove(c, h, node);
     return node;
 }
@@ -148,7 +169,7 @@ int heap_peek_key(const leafheap_t *h, uint64_t *hi, uint64_t *lo) {
 
 /* The calls ops.c makes on a tier's evictable leaves, each answered by the
  * tier's LRU heap or by its adaptive policy (c->pol[t]). Under the adaptive
- * policy the heaps stay empty, node.heap_pos stays NIL and last_access is
+ * policy the heaps stay empty (every position NIL) and last_access is
  * still stamped (it is cheap, and the snapshot shows it). */
 
 void pol_log(core_t *c, int t, int op, uint64_t key) {
@@ -205,7 +226,7 @@ int32_t leaves_push_pop(core_t *c, int t, int32_t leaf) {
         if (leaf != NIL) leaves_add(c, t, leaf);
         return leaves_pop(c, t);
     }
-    if (N(c, leaf)->heap_pos[h->tier] == NIL) {
+    if (h->pos[leaf] == NIL) {
         uint64_t mhi, mlo, hi, lo;
         if (!heap_peek_key(h, &mhi, &mlo) || N(c, leaf)->last_access < mhi) return leaf;
         heap_key_of(c, h, leaf, &hi, &lo);
@@ -222,7 +243,7 @@ int32_t leaves_count(const core_t *c, int t) {
 }
 
 int leaves_listed(const core_t *c, int t, int32_t node) {
-    return c->pol[t] != NULL ? pol_listed(c->pol[t], node) : c->nodes[node].heap_pos[t] != NIL;
+    return c->pol[t] != NULL ? pol_listed(c->pol[t], node) : c->lru[t].pos[node] != NIL;
 }
 
 void pol_sync_slow(core_t *c, int32_t i) {

@@ -308,6 +308,7 @@ static int32_t drop_gpu_leaf(core_t *c, int32_t i) {
     PUBLISH(c, i, S_GPU, 0);
     c->evictions[EV_GPU_DROPPED]++;
     int32_t p = n->parent;
+    __builtin_prefetch((const char *)N(c, p) + 64, 1); /* releasing i unlinks it there */
     N(c, p)->n_gpu_children--;
     if (!n->in_storage) {
         if (n->n_children) {
@@ -415,7 +416,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_
         node_t *n = N(c, ch);
         if (n->ref == 0) {
             idle++;
-            int32_t pos = n->heap_pos[T_GPU]; /* LRU only: NIL under another policy (core_hit) */
+            int32_t pos = heap_pos(&c->lru[T_GPU], ch); /* LRU only: NIL under another policy */
             if (pos != NIL) {
                 r->unlisted[0] = c->lru[T_GPU].a[pos];
                 heap_remove(c, &c->lru[T_GPU], ch);
@@ -431,7 +432,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_
         int32_t ch = walked_child(c, r, node, k);
         if (ch == NIL || N(c, ch)->state != S_CPU) break;
         node_t *n = N(c, ch);
-        int32_t pos = n->heap_pos[T_CPU];
+        int32_t pos = heap_pos(&c->lru[T_CPU], ch);
         if (pos != NIL) {
             r->unlisted[1] = c->lru[T_CPU].a[pos];
             heap_remove(c, &c->lru[T_CPU], ch);
@@ -446,7 +447,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_
 
 /* The request's matched path is taken (allocate went ahead): each node's
  * tier counts a hit, in path order. Under LRU, nothing: core_match unlisted
- * the leaves already (heap_pos), and the keys move at unref. Under the
+ * the leaves already, and the keys move at unref. Under the
  * adaptive policy core_match leaves the leaves listed (so a refused allocate
  * changes nothing and undoes nothing) and they are unlisted here. */
 void core_hit(core_t *c, request_t *r) {
