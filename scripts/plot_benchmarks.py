@@ -12,7 +12,9 @@ whole output can be saved and passed as is. Charts, one per kind found:
   count per block size, and vs block size at the largest count
   (``scripts/bench_cuda.py``);
 - ``trace_hit_rate.png``: hit rate (total and per tier) vs GPU tier capacity
-  (``kvcached bench trace``, one line per capacity).
+  (``kvcached bench trace``, one line per capacity);
+- ``vllm.png``: TTFT of a hit by where it comes from, and multi-turn chat
+  TTFT and prefill computed per mode (``scripts/bench_vllm.py``).
 
 matplotlib is optional: without it the script says so and exits 0.
 """
@@ -143,6 +145,37 @@ def plot_trace(plt, results: list[dict], out: Path) -> Path:
     return _save(fig, out / "trace_hit_rate.png")
 
 
+def plot_vllm(plt, results: list[dict], out: Path) -> Path:
+    """Per-hit TTFT by source, and chat TTFT / prefill tokens computed by mode."""
+    res = results[-1]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    hit = res["per_hit_ttft_s"]
+    names = ["vllm_own_hit", "kvcached_cpu", "example_connector",
+             "kvcached_storage_after_restart", "full_prefill"]
+    labels = ["vLLM's own\nprefix cache", "kvcached\nCPU tier", "vLLM\nExampleConnector",
+              "kvcached storage\n(new process)", "no cache\n(full prefill)"]
+    a.bar(labels, [1000 * hit[n] for n in names], color="tab:blue")
+    a.set(ylabel="TTFT ms (median)", title="One prompt served again")
+    a.tick_params(axis="x", labelsize=7)
+    chat = res["chat"]
+    modes = [("plain", "no connector"), ("example", "ExampleConnector"), ("kvcached", "kvcached")]
+    xs = range(len(modes))
+    b.bar([x - 0.2 for x in xs], [chat[m]["ttft_mean_s"] * 1000 for m, _ in modes], 0.4,
+          label="mean TTFT ms")
+    b2 = b.twinx()
+    b2.bar([x + 0.2 for x in xs], [chat[m]["computed_tokens"] / chat[m]["prompt_tokens"]
+                                   for m, _ in modes], 0.4, color="tab:orange",
+           label="prefill computed (share)")
+    b2.axhline(chat["kvcached"]["least_computed_tokens"] / chat["kvcached"]["prompt_tokens"],
+               color="tab:orange", ls=":", lw=1)
+    b2.set_ylim(0, 1)
+    b.set_xticks(list(xs), [name for _, name in modes], fontsize=8)
+    b.set(ylabel="mean TTFT ms", title="Multi-turn chat (dotted: least computable)")
+    b.legend(loc="upper left", fontsize=7)
+    b2.legend(loc="upper right", fontsize=7)
+    return _save(fig, out / "vllm.png")
+
+
 def _kib(n: int) -> str:
     return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
 
@@ -178,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         drawn.extend(plot_cuda(plt, results["cuda"], args.out))
     if "trace" in results:
         drawn.append(plot_trace(plt, results["trace"], args.out))
+    if "vllm" in results:
+        drawn.append(plot_vllm(plt, results["vllm"], args.out))
     for p in drawn:
         print(p)
     if not drawn:
-        print(f"nothing to draw ({found}); expected copy_cpu, cuda or trace results",
+        print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace or vllm results",
               file=sys.stderr)
     return 0
 

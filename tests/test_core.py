@@ -205,3 +205,18 @@ def test_the_core_module_is_small_and_self_contained():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_bench_memory_reports_bytes_per_cached_block():
+    """scripts/bench_memory.py runs and measures something sane (its number goes
+    in docs/benchmarks.md: ~380 B per 64-token block; a node is 128 B)."""
+    import json
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_memory.py"
+    res = subprocess.run([sys.executable, str(script), "--blocks", "40000"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "memory" and out["cached_blocks"] == 40000
+    assert 128 <= out["bytes_per_cached_block"] < 4096, out

@@ -21,7 +21,10 @@ view.fill_(7.0)
 """
 
 
-def test_views_keep_their_data_and_another_process_shares_it():
+@pytest.mark.parametrize("chunk", [64 << 20, 4096])  # one chunk; a chunk per page
+def test_views_keep_their_data_and_another_process_shares_it(monkeypatch, chunk):
+    from kvcached.memory import inplace
+    monkeypatch.setattr(inplace, "_CHUNK", chunk)
     buf = torch.arange(1024, dtype=torch.float32)
     view = buf[10:20]  # a view taken before the move stays valid
     region = share_in_place(buf.data_ptr(), buf.nbytes, "test-inplace", buf)

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,14 +28,16 @@ DEADLINE_S = 600
 
 
 def run_app(spec: dict, env: dict | None = None, check: bool = True) -> dict | subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, str(APP), json.dumps(spec)], capture_output=True,
-                         text=True, timeout=DEADLINE_S, env={**os.environ, **(env or {})})
-    if not check:
-        return res
-    lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"vLLM run failed (rc {res.returncode}):\n" \
-                                          f"{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    with tempfile.TemporaryDirectory(prefix="kvcached-vllm-app-") as tmp:
+        result = Path(tmp) / "result.json"
+        res = subprocess.run([sys.executable, str(APP), json.dumps(spec), str(result)],
+                             capture_output=True, text=True, timeout=DEADLINE_S,
+                             env={**os.environ, **(env or {})})
+        if not check:
+            return res
+        assert res.returncode == 0 and result.is_file(), \
+            f"vLLM run failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+        return json.loads(result.read_text())
 
 
 def generated(result: dict) -> list[dict]:
@@ -193,7 +196,8 @@ def test_workers_from_kvcached_launch(model, baseline, tmp_path):
              "worker_start_timeout_s": 300}
     spec = {"model": model, "extra": extra, "prompts": PROMPTS,
             "steps": [["generate", "p"], ["reset"], ["generate", "p"]]}
-    app = subprocess.Popen([sys.executable, str(APP), json.dumps(spec)], text=True,
+    result = tmp_path / "result.json"
+    app = subprocess.Popen([sys.executable, str(APP), json.dumps(spec), str(result)], text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     launcher = None
     try:
@@ -212,7 +216,23 @@ def test_workers_from_kvcached_launch(model, baseline, tmp_path):
         if launcher is not None:
             launcher.terminate()
             launcher.wait(timeout=30)
-    res = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
+    res = json.loads(result.read_text())
     cold, warm = generated(res)
     assert cold["outputs"] == warm["outputs"] == baseline
     assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+
+
+def test_bench_vllm_quick():
+    """The benchmark's smoke run (a tiny model): every mode serves the same
+    greedy outputs, hits are served whole, chat computes no more than the
+    workload allows."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_vllm.py"
+    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                         text=True, timeout=1500)
+    assert res.returncode == 0, res.stderr[-5000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "vllm" and out["identical_outputs"], out["identical"]
+    assert out["cpu_hit_blocks_served"] >= 0.9 and out["storage_hit_blocks_served"] >= 0.9
+    chat = out["chat"]
+    assert out["chat_points_above_least"] <= 5.0, chat  # the issue's target
+    assert chat["kvcached"]["computed_tokens"] <= chat["plain"]["computed_tokens"]

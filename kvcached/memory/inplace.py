@@ -11,7 +11,8 @@ transfer worker maps the same file through ``/proc/<pid>/fd/<fd>``.
 
 The mapping covers whole pages: the bytes around the buffer in its first and
 last page move along, with their contents, so nothing else in the process
-changes either. The engine must not write the buffer while it moves (vLLM
+changes either. It is done a chunk at a time, so the move never holds two
+copies of the cache. The engine must not write the buffer while it moves (vLLM
 registers its KV cache before the first forward). A memory file is not
 limited by the size of /dev/shm, and it disappears with the process: nothing
 is left behind by an engine that dies.
@@ -59,17 +60,21 @@ def share_in_place(address: int, nbytes: int, name: str, keepalive: object) -> S
     base = address - address % page
     size = -(-(address + nbytes - base) // page) * page
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10  # MAP_FIXED
     try:
         os.ftruncate(fd, size)
-        for off in range(0, size, _CHUNK):  # the current bytes, straight from memory
+        # Chunk by chunk: each chunk's private pages are freed as soon as the
+        # file's replace them, so the move needs one chunk of extra memory, not
+        # a second copy of the KV cache. A failure part-way leaves every byte
+        # where it was (moved chunks hold the same data).
+        for off in range(0, size, _CHUNK):
             n = min(_CHUNK, size - off)
             if os.pwrite(fd, (ctypes.c_char * n).from_address(base + off), off) != n:
                 raise OSError(f"short write into the memory file for {name}")
-        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10  # MAP_FIXED
-        got = _libc.mmap(base, size, prot, flags, fd, 0)
-        if got != base:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap over {size} bytes at {base:#x} failed: {os.strerror(err)}")
+            if _libc.mmap(base + off, n, prot, flags, fd, off) != base + off:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap over {n} bytes at {base + off:#x} failed: "
+                                   f"{os.strerror(err)}")
     except BaseException:
         os.close(fd)
         raise

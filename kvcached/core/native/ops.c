@@ -190,22 +190,37 @@ static int32_t walk_all(core_t *c, int32_t **out) {
     return n - 1;
 }
 
-static const core_t *sort_core;
-static int deepest_then_hash(const void *a, const void *b) {
-    const node_t *x = &sort_core->nodes[*(const int32_t *)a];
-    const node_t *y = &sort_core->nodes[*(const int32_t *)b];
-    if (x->depth != y->depth) return x->depth > y->depth ? -1 : 1;
-    return memcmp(x->hash, y->hash, HASH_LEN);
+/* Whether node a goes before node b when dropping: deeper first, then by hash. */
+static int drop_before(const core_t *c, int32_t a, int32_t b) {
+    const node_t *x = N(c, a), *y = N(c, b);
+    if (x->depth != y->depth) return x->depth > y->depth;
+    return memcmp(x->hash, y->hash, HASH_LEN) < 0;
+}
+
+static void sift_down(const core_t *c, int32_t *v, int32_t root, int32_t n) {
+    for (int32_t child; (child = 2 * root + 1) < n; root = child) {
+        if (child + 1 < n && drop_before(c, v[child], v[child + 1])) child++;
+        if (!drop_before(c, v[root], v[child])) return;
+        int32_t t = v[root];
+        v[root] = v[child];
+        v[child] = t;
+    }
 }
 
 /* The order whole-subtree and whole-tier drops take nodes in: deepest first
  * (a parent after its children), then by hash (a fixed order, so the blocks
  * go back to the pools in an order the reference shares; the children of a
- * wide node have no order of their own). Callers hold the lock, so the
- * static is safe. */
-static void sort_deepest_first(core_t *c, int32_t *nodes, int32_t n) {
-    sort_core = c;
-    qsort(nodes, (size_t)n, sizeof(int32_t), deepest_then_hash);
+ * wide node have no order of their own). A heapsort: in place, no
+ * allocation, and no shared state (qsort's comparator would need the core in
+ * a static, which two cores sorting at once would race on). */
+static void sort_deepest_first(const core_t *c, int32_t *v, int32_t n) {
+    for (int32_t k = n / 2 - 1; k >= 0; k--) sift_down(c, v, k, n);
+    for (int32_t end = n - 1; end > 0; end--) {
+        int32_t t = v[0];
+        v[0] = v[end];
+        v[end] = t;
+        sift_down(c, v, 0, end);
+    }
 }
 
 /* ------------------------------------------------------------ removing */
