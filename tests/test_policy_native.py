@@ -42,13 +42,18 @@ from kvcached.tools.workload import ChatRequest, replay
 # bins (the ring wraps quickly), slow and no decay, coarse windows.
 PARAMS = {
     "default": AdaptiveParams(),
-    "ghost16": AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4),
-    "ghost8": AdaptiveParams(ghost_bits=8, ghost_win_bits=5, ghost_factor=2, ways=4),
-    "ghost32x2way": AdaptiveParams(ghost_factor=16, ways=2),
-    "no_ghost": AdaptiveParams(ghost_factor=0),
-    "one_class": AdaptiveParams(classes=1),
-    "few_bins": AdaptiveParams(bins=3, windows_per_capacity=1, decay_shift=1),
-    "many": AdaptiveParams(classes=16, bins=130, windows_per_capacity=2, decay_shift=62),
+    # min_window=1: windows of capacity // 8 ticks even in these small tiers,
+    # so the sequences below go through many window rebuilds
+    "small_window": AdaptiveParams(min_window=1),
+    "ghost16": AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4, min_window=1),
+    "ghost8": AdaptiveParams(ghost_bits=8, ghost_win_bits=5, ghost_factor=2, ways=4,
+                             min_window=1),
+    "ghost32x2way": AdaptiveParams(ghost_factor=16, ways=2, min_window=1),
+    "no_ghost": AdaptiveParams(ghost_factor=0, min_window=1),
+    "one_class": AdaptiveParams(classes=1, min_window=1),
+    "few_bins": AdaptiveParams(bins=3, windows_per_capacity=1, decay_shift=1, min_window=1),
+    "many": AdaptiveParams(classes=16, bins=130, windows_per_capacity=2, decay_shift=62,
+                           min_window=1),
 }
 
 
@@ -197,7 +202,7 @@ def test_the_port_refuses_calls_the_reference_refuses():
 
 def test_a_ghost_hit_in_the_port_promotes_and_teaches_its_age():
     """The reference's scenario (test_policy_reference), on the port."""
-    pol = _core.Policy(8)  # window = 1 tick
+    pol = _core.Policy(8, {"min_window": 1})  # window = 1 tick
     pol.on_insert(12345, 1, 0)  # tick 1
     pol.add_leaf(12345)
     assert pol.victim() == 12345

@@ -109,7 +109,7 @@ def test_a_leaf_that_comes_back_survives_one_off_prompts():
 
 
 def test_a_ghost_hit_promotes_the_block_and_teaches_its_age():
-    pol = AdaptivePolicy(8)  # window = 1 tick: a window per insert
+    pol = AdaptivePolicy(8, AdaptiveParams(min_window=1))  # window = 1 tick: a window per insert
     key = 12345
     pol.on_insert(key, 1, 0)  # tick 1
     assert pol.cls[key] == 0
@@ -131,7 +131,7 @@ def test_a_ghost_hit_promotes_the_block_and_teaches_its_age():
 
 
 def test_a_hit_promotes_and_counts_at_its_age():
-    pol = AdaptivePolicy(8)
+    pol = AdaptivePolicy(8, AdaptiveParams(min_window=1))
     pol.on_insert(7, 1, 0)  # tick 1
     pol.on_insert(8, 1, 0)
     pol.on_insert(9, 1, 0)  # tick 3
@@ -165,7 +165,7 @@ def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
 
 
 def test_cold_tables_evict_in_lru_order_and_a_branch_tail_first():
-    pol = AdaptivePolicy(64)  # window = 8 ticks: all of this in one window
+    pol = AdaptivePolicy(64)  # window = 64 ticks (min_window): all of this in one window
     a, b, c, x = 1, 2, 3, 4  # a chain a <- b <- c, and x, used after it
     for key in (a, b, c, x):
         pol.on_insert(key, 1, 0)

@@ -64,8 +64,11 @@ Constants (``AdaptiveParams``), for a tier of ``capacity`` blocks::
     CLASSES = 4           class = min(uses, CLASSES - 1); uses counts on_hit
                           calls and ghost returns since the block was new
     BINS = 64             age bins; the last one holds every older age
-    WINDOW = max(1, capacity // 8) ticks: the width of an age bin
+    WINDOW = max(MIN_WINDOW, capacity // 8) ticks: the width of an age bin
                           (so BINS * WINDOW = 8 x capacity: the reuse horizon)
+    MIN_WINDOW = 64       a rebuild costs O(CLASSES x BINS): in a tier of a
+                          few hundred blocks, windows of capacity // 8
+                          inserts made it most of the policy's cost
     GHOST = 8 * capacity  ghost entries (rounded up to whole sets of WAYS)
     WAYS = 8              ghost associativity
     DECAY_SHIFT = 7       the tables keep 1 - 2**-7 of their weight per window
@@ -251,13 +254,14 @@ class AdaptiveParams:
     decay_shift: int = 7
     ghost_bits: int = 32  # a ghost entry's width: 8, 16 or 32
     ghost_win_bits: int = 12  # of which the window of last use (mod 2**this)
+    min_window: int = 64  # the fewest ticks per window (rebuilds are O(classes x bins))
 
     def __post_init__(self) -> None:
         if not 1 <= self.classes <= 16:
             raise ValueError(f"classes must be in 1..16, got {self.classes}")
         if not 2 <= self.bins <= 2048:
             raise ValueError(f"bins must be in 2..2048, got {self.bins}")
-        for name in ("windows_per_capacity", "ways", "decay_shift"):
+        for name in ("windows_per_capacity", "ways", "decay_shift", "min_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decay_shift > 63:
@@ -368,7 +372,7 @@ class AdaptivePolicy:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 block, got {capacity}")
         p = self.params = params or AdaptiveParams()
-        self.window = max(1, capacity // p.windows_per_capacity)
+        self.window = max(p.min_window, capacity // p.windows_per_capacity)
         self.ghost = Ghost(p.ghost_factor * capacity, p.ways, p.ghost_bits, p.ghost_win_bits,
                            p.cls_bits)
         self.tick = 0

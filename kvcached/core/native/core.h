@@ -124,6 +124,7 @@ typedef struct {
 typedef struct {
     int32_t classes, bins, windows_per_capacity, ghost_factor, ways, decay_shift;
     int32_t ghost_bits, ghost_win_bits; /* a ghost entry's width, and its window's bits */
+    int32_t min_window;                 /* the fewest inserts per window */
 } pol_params_t;
 
 typedef struct {
@@ -143,7 +144,7 @@ typedef struct {
     uint64_t *density;      /* [classes][bins]: expected hits per lifetime, << 32 */
     uint16_t *ranks;        /* rank -> c * bins + b, lowest density first */
     uint16_t *rank_of;      /* c * bins + b -> rank */
-    uint64_t *keys;         /* scratch of the ranking */
+    uint64_t *keys;         /* the ranking as sort keys, kept for the next */
     int32_t n_ranks, cursor; /* every rank below cursor has an empty list */
     plist_t *lists;         /* [classes][bins]: a ring of bins - 1 windows, then old */
     void *ghost;            /* sets x ways entries of ghost_bits bits; 0 = empty */

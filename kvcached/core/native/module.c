@@ -380,12 +380,14 @@ static int hash_blocks(core_t *c, request_t *r, const int64_t *ids, int32_t stop
 
 static const char *POLICY_NAMES[] = {"lru", "adaptive"};
 static const char *PARAM_NAMES[] = {"classes", "bins", "windows_per_capacity", "ghost_factor",
-                                    "ways", "decay_shift", "ghost_bits", "ghost_win_bits"};
+                                    "ways", "decay_shift", "ghost_bits", "ghost_win_bits",
+                                    "min_window"};
 static const size_t PARAM_OFFSETS[] = {
     offsetof(pol_params_t, classes), offsetof(pol_params_t, bins),
     offsetof(pol_params_t, windows_per_capacity), offsetof(pol_params_t, ghost_factor),
     offsetof(pol_params_t, ways), offsetof(pol_params_t, decay_shift),
-    offsetof(pol_params_t, ghost_bits), offsetof(pol_params_t, ghost_win_bits)};
+    offsetof(pol_params_t, ghost_bits), offsetof(pol_params_t, ghost_win_bits),
+    offsetof(pol_params_t, min_window)};
 #define N_PARAMS ((int)(sizeof PARAM_OFFSETS / sizeof PARAM_OFFSETS[0]))
 
 static int32_t *param_at(pol_params_t *p, int k) {

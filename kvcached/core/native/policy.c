@@ -39,6 +39,7 @@ void pol_default_params(pol_params_t *p) {
     p->classes = 4;
     p->bins = 64;
     p->windows_per_capacity = 8;
+    p->min_window = 64;
     p->ghost_factor = 8;
     p->ways = 8;
     p->decay_shift = 7;
@@ -59,6 +60,7 @@ const char *pol_check_params(const pol_params_t *p) {
     if (p->classes < 1 || p->classes > 16) return "classes must be in 1..16";
     if (p->bins < 2 || p->bins > 2048) return "bins must be in 2..2048";
     if (p->windows_per_capacity < 1) return "windows_per_capacity must be >= 1";
+    if (p->min_window < 1) return "min_window must be >= 1";
     if (p->ways < 1) return "ways must be >= 1";
     if (p->decay_shift < 1 || p->decay_shift > 63) return "decay_shift must be in 1..63";
     if (p->ghost_factor < 0) return "ghost_factor must be >= 0";
@@ -271,23 +273,26 @@ int64_t pol_order(const policy_t *p, int32_t *out) {
 
 /* ------------------------------------------------------------- tables */
 
-static int by_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* ranks: every (c, b) by (density, -b, c). A density is at most 2^32, so
- * (density, last - b, c) packs into one word and sorts as a number. */
+ * (density, last - b, c) packs into one word and sorts as a number. `keys`
+ * keeps the last ranking: each key takes its cell's new density in place and
+ * the keys are insertion-sorted. Every cell decays alike each window, so the
+ * order barely moves and the sort is about one pass (a full sort was most of
+ * a rebuild in a small tier, whose windows are a few inserts long). */
 static void rank_cells(policy_t *p) {
     int32_t bins = p->prm.bins, last = bins - 1, n = p->n_ranks;
     uint64_t *keys = p->keys;
-    for (int32_t c = 0; c < p->prm.classes; c++) {
-        for (int32_t b = 0; b < bins; b++) {
-            keys[c * bins + b] = p->density[c * bins + b] << 15 |
-                                 (uint64_t)(last - b) << 4 | (uint64_t)c;
-        }
+    for (int32_t r = 0; r < n; r++) {
+        uint64_t cell = keys[r] & 0x7FFF;
+        int32_t c = (int32_t)(cell & 0xF), b = last - (int32_t)(cell >> 4);
+        keys[r] = p->density[c * bins + b] << 15 | cell;
     }
-    qsort(keys, (size_t)n, sizeof(uint64_t), by_u64);
+    for (int32_t r = 1; r < n; r++) {
+        uint64_t k = keys[r];
+        int32_t j = r;
+        for (; j > 0 && keys[j - 1] > k; j--) keys[j] = keys[j - 1];
+        keys[j] = k;
+    }
     for (int32_t r = 0; r < n; r++) {
         int32_t c = (int32_t)(keys[r] & 0xF), b = last - (int32_t)((keys[r] >> 4) & 0x7FF);
         p->ranks[r] = (uint16_t)(c * bins + b);
@@ -312,6 +317,13 @@ static int32_t end_cap(const uint64_t *hits, int32_t bins) {
     return b + 1 < last ? b + 1 : last;
 }
 
+/* (h << 32) / life: in 64 bits where it fits (a 128-bit division is a
+ * library call, and a rebuild makes one per cell). */
+static inline uint64_t density_of(u128 h, u128 life) {
+    if ((h >> 32) == 0 && (life >> 64) == 0) return ((uint64_t)h << 32) / (uint64_t)life;
+    return (uint64_t)((h << 32) / life);
+}
+
 static void rebuild(policy_t *p) {
     int32_t bins = p->prm.bins, last = bins - 1, shift = p->prm.decay_shift;
     for (int32_t c = 0; c < p->prm.classes; c++) {
@@ -334,7 +346,7 @@ static void rebuild(policy_t *p) {
                 e += ends[b];
             }
             life += e;
-            dens[b] = life ? (uint64_t)((h << 32) / life) : 0;
+            dens[b] = life ? density_of(h, life) : 0;
         }
         /* the last bin lumps every age past the horizon: unknown, not dense */
         dens[last] = 0;
@@ -424,7 +436,7 @@ int pol_init(policy_t *p, int64_t capacity, const pol_params_t *prm) {
     p->prm = *prm;
     int32_t cells = prm->classes * prm->bins;
     int64_t w = capacity / prm->windows_per_capacity;
-    p->window = w > 1 ? (uint64_t)w : 1;
+    p->window = (uint64_t)(w > prm->min_window ? w : prm->min_window);
     p->n_ranks = cells;
     p->cls_bits = bits_for(prm->classes - 1);
     p->fp_bits = prm->ghost_bits - p->cls_bits - prm->ghost_win_bits;
@@ -444,7 +456,11 @@ int pol_init(policy_t *p, int64_t capacity, const pol_params_t *prm) {
         pol_free(p);
         return -1;
     }
-    for (int32_t k = 0; k < cells; k++) p->lists[k].head = p->lists[k].tail = NIL;
+    for (int32_t k = 0; k < cells; k++) {
+        int32_t c = k / prm->bins, b = k % prm->bins;
+        p->lists[k].head = p->lists[k].tail = NIL;
+        p->keys[k] = (uint64_t)(prm->bins - 1 - b) << 4 | (uint64_t)c;
+    }
     rank_cells(p);
     return 0;
 }
