@@ -84,7 +84,7 @@ class CacheConfig:
     cuda_grid_blocks: int = 4
     cuda_block_threads: int = 256
     hash_memo: bool = True
-    eviction_policy: str = "lru"
+    eviction_policy: str = "adaptive"
     storage_backend: str | None = None
     storage_url: str = ""
     storage_load_policy: str = "timeout"

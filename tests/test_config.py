@@ -219,18 +219,20 @@ def test_invalid_value_names_field_value_and_allowed(key, value, message):
 
 
 def test_eviction_policy_reaches_the_core(monkeypatch, tmp_path):
-    assert CacheConfig.load().eviction_policy == "lru"
-    monkeypatch.setenv("KVCACHED_EVICTION_POLICY", "adaptive")
-    cfg = CacheConfig.load(num_gpu_blocks=8, num_cpu_blocks=4, transfer_mode="inprocess",
-                           run_dir=str(tmp_path), check_host_memory=False)
-    assert cfg.eviction_policy == "adaptive"
     from kvcached.core.manager import CacheManager
-    mgr = CacheManager(cfg)
-    try:
-        assert mgr.core.policy == "adaptive"
-        assert set(mgr.core.policy_stats()) == {"policy", "params", "gpu", "cpu"}
-    finally:
-        mgr.close()
+    kw = dict(num_gpu_blocks=8, num_cpu_blocks=4, transfer_mode="inprocess",
+              check_host_memory=False)
+    for policy, tiers in (("adaptive", {"policy", "params", "gpu", "cpu"}), ("lru", {"policy"})):
+        if policy == "lru":
+            monkeypatch.setenv("KVCACHED_EVICTION_POLICY", "lru")
+        cfg = CacheConfig.load(run_dir=str(tmp_path / policy), **kw)
+        assert cfg.eviction_policy == policy  # adaptive: the default
+        mgr = CacheManager(cfg)
+        try:
+            assert mgr.core.policy == policy
+            assert set(mgr.core.policy_stats()) == tiers
+        finally:
+            mgr.close()
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "redis"])

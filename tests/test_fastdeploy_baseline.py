@@ -31,7 +31,8 @@ CHAT = dict(num_system_prompts=2, system_tokens=96, turn_tokens=(16, 64),
 
 def both(gpu: int, cpu: int, make_manager) -> tuple[dict, dict, dict]:
     reqs = generate_chat_workload(150, seed=3, **CHAT)
-    with make_manager(num_gpu_blocks=gpu, num_cpu_blocks=cpu, block_size=BS) as mgr:
+    with make_manager(num_gpu_blocks=gpu, num_cpu_blocks=cpu, block_size=BS,
+                      eviction_policy="lru") as mgr:  # FastDeploy's policy
         ours = replay(mgr, reqs)
         evictions = mgr.stats().evictions
     theirs = fastdeploy.replay(fastdeploy.make(fastdeploy.load(), gpu, cpu), reqs, BS)
