@@ -40,7 +40,7 @@ CFLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werr
 core = Extension(
     "kvcached.core._core",
     sources=[f"kvcached/core/native/{f}.c"
-             for f in ("module", "table", "pool", "lru", "hashing", "ops")],
+             for f in ("module", "table", "pool", "lru", "policy", "hashing", "ops")],
     depends=[f"kvcached/core/native/{f}.h" for f in ("core", "hashing", "blake2b")],
     extra_compile_args=CFLAGS,
 )

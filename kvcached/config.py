@@ -33,6 +33,7 @@ TRANSFER_MODES = ("workers", "inprocess")
 STORAGE_BACKENDS = (None, "file", "mooncake", "redis")
 DEVICES = ("cpu", "cuda")
 LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
+EVICTION_POLICIES = ("lru", "adaptive")  # the native core's (kvcached.core._core.Core policy)
 CUDA_COPY_MODES = ("kernel", "direct", "batch")  # kvcached.copy.cuda.MODES
 CUDA_MAX_GRID_BLOCKS, CUDA_MAX_BLOCK_THREADS = 1024, 512  # kv_copy.h
 # KVCACHED_* environment variables that are not config fields, and what they do.
@@ -83,6 +84,7 @@ class CacheConfig:
     cuda_grid_blocks: int = 4
     cuda_block_threads: int = 256
     hash_memo: bool = True
+    eviction_policy: str = "adaptive"
     storage_backend: str | None = None
     storage_url: str = ""
     storage_load_policy: str = "timeout"
@@ -157,6 +159,7 @@ class CacheConfig:
         _choice(self, "transfer_mode", TRANSFER_MODES)
         _choice(self, "storage_backend", STORAGE_BACKENDS)
         _choice(self, "storage_load_policy", LOAD_POLICIES)
+        _choice(self, "eviction_policy", EVICTION_POLICIES)
         _check_cuda_copy(self)
         if self.storage_backend in ("mooncake", "redis") and not self.storage_url:
             raise ValueError(

@@ -87,6 +87,9 @@ class CacheStats:
     workers: list[dict[str, Any]] = field(default_factory=list)
     storage: dict[str, int] = field(default_factory=dict)
     cached_nodes: int = 0
+    # the eviction policy: {"name"} and, adaptive, per tier its ghost and reuses
+    # (kvcached.core.stats.policy_view)
+    policy: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

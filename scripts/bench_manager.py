@@ -27,14 +27,18 @@ manager: hashing, matching, the tree, the pools, eviction.
    10K blocks per round (5K for the 10K tree); the tree is refilled between
    rounds, and rounds alternate between the sizes. Reports ns per evicted
    block (median over rounds) and the 1M/10K ratio (target <= 1.5: eviction
-   must not slow down with the size of the cache). The collector is frozen
+   must not slow down with the size of the cache), under each eviction
+   policy (``--policies``; all trees are built first and every round's calls
+   alternate between all of them, so the policies are compared in the same
+   run), and the adaptive policy's cost over LRU's per size. The headline
+   (``ratio``, ``meets_target``) is the default policy's. The collector is frozen
    after the builds (as engines do after start-up), so the timing is the
    manager's, not a full GC pass over whatever else the process holds. The
    pause of a full collection over what the builds added is reported too
    (``gc_full_pause_ms``): tree nodes are not GC-tracked, so it must stay
    small whatever the size of the cache (0.9 s at 1M with Python nodes).
 
-    python scripts/bench_manager.py [--quick]
+    python scripts/bench_manager.py [--quick] [--phases eviction] [--policies lru,adaptive]
 
 Progress goes to stderr; the last line on stdout is JSON ``{"bench": "manager", ...}``.
 """
@@ -166,18 +170,20 @@ def _dropped(mgr: CacheManager) -> int:
     return mgr.stats().evictions.get("gpu_dropped", 0)
 
 
-def evict_round(setups: list, evict: int, chunk: int, tag: int) -> dict[int, list[float]]:
+def evict_round(setups: list, evict: int, chunk: int, tag: int) -> dict[tuple, list[float]]:
     """One round: on every tree, allocations of ``chunk`` blocks each until ``evict``
     blocks (at most half the tree) were evicted; returns ns per evicted block of
-    each allocation, per tree size. Calls alternate between the trees, so that a
-    burst of load from elsewhere lands on all sizes alike. The requests stay live
-    (holding their blocks) until the round ends, then are freed, untimed."""
-    plan = {n: -(-min(evict, n // 2) // chunk) + 1 for n, _, _ in setups}  # +1: the slack
-    samples: dict[int, list[float]] = {n: [] for n in plan}
+    each allocation, per tree (policy, size). Calls alternate between the trees,
+    so that a burst of load from elsewhere lands on all sizes and policies alike.
+    The requests stay live (holding their blocks) until the round ends, then are
+    freed, untimed."""
+    plan = {key: -(-min(evict, key[1] // 2) // chunk) + 1  # +1: the slack
+            for key, _, _ in setups}
+    samples: dict[tuple, list[float]] = {key: [] for key in plan}
     clock = time.perf_counter
     for i in range(max(plan.values())):
-        for n, mgr, _ in setups:
-            if i >= plan[n]:
+        for key, mgr, _ in setups:
+            if i >= plan[key]:
                 continue
             before = _dropped(mgr)
             t0 = clock()
@@ -185,48 +191,72 @@ def evict_round(setups: list, evict: int, chunk: int, tag: int) -> dict[int, lis
             spent = clock() - t0
             evicted = _dropped(mgr) - before
             if evicted:  # the first call of a round only takes the free slack
-                samples[n].append(spent / evicted * 1e9)
-    for n, mgr, filler in setups:
-        for i in range(plan[n]):
+                samples[key].append(spent / evicted * 1e9)
+    for key, mgr, filler in setups:
+        for i in range(plan[key]):
             mgr.free(("evict", tag, i))
-        filler.fill(n - mgr.core.num_nodes)  # back to n cached blocks
+        filler.fill(key[1] - mgr.core.num_nodes)  # back to n cached blocks
     return samples
 
 
 def bench_eviction(tmp, sizes: list[int], evict: int, rounds: int, chain: int,
-                   chunk: int) -> dict:
-    """ns per evicted block for each tree size (median over every evicting call of
-    every round; all trees stay built and the calls are interleaved)."""
+                   chunk: int, policies: list[str]) -> dict:
+    """ns per evicted block for each eviction policy and tree size (median over every
+    evicting call of every round; all trees stay built and the calls are
+    interleaved). The top-level numbers are the default policy's (or the first
+    one measured); ``policies`` holds each one's, and ``adaptive_over_lru`` the
+    adaptive policy's cost per block over LRU's, per size."""
+    keys = [(policy, n) for policy in policies for n in sizes]
     with ExitStack() as stack:
         gc.collect()
         gc.freeze()  # what the process held before: only what the builds add is walked below
-        setups = [_build_tree(stack, tmp, n, chain, chunk) for n in sizes]
+        setups = [_build_tree(stack, tmp, key, chain, chunk) for key in keys]
         pause_ms, tracked = _full_gc_pause()
-        log(f"a full collection over what {sum(sizes)} cached blocks added: "
+        log(f"a full collection over what {sum(n for _, n in keys)} cached blocks added: "
             f"{pause_ms:.2f} ms, {tracked} objects tracked")
         gc.freeze()  # the built trees are long-lived: out of the collector's way, as
         try:         # engines do after start-up, so a full GC pass is not timed
-            per_block: dict[int, list[float]] = {n: [] for n in sizes}
+            per_block: dict[tuple, list[float]] = {key: [] for key in keys}
             for r in range(rounds):
-                for n, samples in evict_round(setups, evict, chunk, r).items():
-                    per_block[n].extend(samples)
+                for key, samples in evict_round(setups, evict, chunk, r).items():
+                    per_block[key].extend(samples)
                 log(f"eviction round {r + 1}/{rounds}: median so far " + ", ".join(
-                    f"{_short(n)} {statistics.median(per_block[n]):.0f}" for n in sizes)
-                    + " ns/block")
+                    f"{p} {_short(n)} {statistics.median(per_block[p, n]):.0f}"
+                    for p, n in keys) + " ns/block")
         finally:
             gc.unfreeze()
-        leaves = {n: mgr.core.gpu_leaves for n, mgr, _ in setups}
+        leaves = {key: mgr.core.gpu_leaves for key, mgr, _ in setups}
         for _, mgr, _ in setups:
             mgr.check_invariants()
+    by_policy = {policy: _eviction_result(
+        {n: per_block[policy, n] for n in sizes}, {n: leaves[policy, n] for n in sizes},
+        evict) for policy in policies}
+    default = CacheConfig().eviction_policy
+    head = by_policy[default if default in by_policy else policies[0]]
+    out = {"chain_blocks": chain, "chunk_blocks": chunk, "policy": default
+           if default in by_policy else policies[0], **head,
+           "gc_full_pause_ms": pause_ms, "gc_tracked_objects": tracked,
+           "policies": {p: {k: r[k] for k in ("ns_per_block", "ratio", "ratio_p10",
+                                               "meets_target")}
+                        for p, r in by_policy.items()}}
+    if {"lru", "adaptive"} <= set(by_policy):
+        out["adaptive_over_lru"] = {
+            str(n): by_policy["adaptive"]["ns_per_block"][str(n)]
+            / by_policy["lru"]["ns_per_block"][str(n)] for n in sizes}
+    return out
+
+
+def _eviction_result(per_block: dict[int, list[float]], leaves: dict[int, int],
+                     evict: int) -> dict:
+    """One policy's numbers: per size, and the largest size's over the smallest's."""
+    sizes = list(per_block)
     out = {str(n): {"ns_per_block": statistics.median(v), "p10_ns": percentile(v, 0.1),
                     "p90_ns": percentile(v, 0.9), "samples": len(v),
-                    "evicted_per_round": min(evict, n // 2), "lru_leaves": leaves[n]}
+                    "evicted_per_round": min(evict, n // 2), "leaves": leaves[n]}
            for n, v in per_block.items()}
     lo, hi = out[str(sizes[0])], out[str(sizes[-1])]
     ratio = hi["ns_per_block"] / lo["ns_per_block"]
-    return {"chain_blocks": chain, "chunk_blocks": chunk, "sizes": out,
-            "gc_full_pause_ms": pause_ms, "gc_tracked_objects": tracked,
-            "ns_per_block": {k: v["ns_per_block"] for k, v in out.items()},
+    return {"sizes": out, "ns_per_block": {k: v["ns_per_block"] for k, v in out.items()},
             f"ratio_{_short(sizes[-1])}_{_short(sizes[0])}": ratio, "ratio": ratio,
             "ratio_p10": hi["p10_ns"] / lo["p10_ns"],
             "target_ratio": TARGET_RATIO, "meets_target": ratio <= TARGET_RATIO}
@@ -241,16 +271,19 @@ def _full_gc_pause() -> tuple[float, int]:
     return (time.perf_counter() - t0) * 1e3, len(gc.get_objects())
 
 
-def _build_tree(stack: ExitStack, tmp, cached: int, chain: int, chunk: int):
-    """A GPU-only manager with ``cached`` blocks in the tree and ``chunk`` free."""
-    mgr = stack.enter_context(make_manager(tmp / f"ev{cached}", num_gpu_blocks=cached + chunk,
-                                           num_cpu_blocks=0))
+def _build_tree(stack: ExitStack, tmp, key: tuple[str, int], chain: int, chunk: int):
+    """A GPU-only manager with the eviction policy and ``cached`` blocks in the tree
+    of ``key``, and ``chunk`` blocks free."""
+    policy, cached = key
+    mgr = stack.enter_context(make_manager(tmp / f"ev-{policy}-{cached}",
+                                           num_gpu_blocks=cached + chunk, num_cpu_blocks=0,
+                                           eviction_policy=policy))
     filler = ChainFiller(mgr, chain)
     t0 = time.perf_counter()
-    filler.fill(cached, what=f"build {_short(cached)} blocks")
+    filler.fill(cached, what=f"build {_short(cached)} blocks ({policy})")
     assert mgr.core.num_nodes == cached, (mgr.core.num_nodes, cached)
-    log(f"built {cached} cached blocks in {time.perf_counter() - t0:.1f}s")
-    return cached, mgr, filler
+    log(f"built {cached} cached blocks ({policy}) in {time.perf_counter() - t0:.1f}s")
+    return key, mgr, filler
 
 
 def _short(n: int) -> str:
@@ -276,7 +309,13 @@ def main() -> None:
     ap.add_argument("--no-fastdeploy", action="store_true", help="skip the baseline")
     ap.add_argument("--chat-repeats", type=int, default=None,
                     help="replays per scenario, median reported (7; quick 1)")
+    ap.add_argument("--phases", type=str, default="chat,eviction",
+                    help="which phases to run (chat, eviction)")
+    ap.add_argument("--policies", type=str, default="lru,adaptive",
+                    help="eviction policies of the eviction phase, compared in one run")
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
+    policies = args.policies.split(",")
     requests = args.requests or (600 if args.quick else 3000)
     rounds = 3 if args.quick else 7
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -290,13 +329,20 @@ def main() -> None:
                  "chat_gpu_resident": (8 * args.gpu_blocks, 0)}
     repeats = args.chat_repeats or (1 if args.quick else 7)
     t0, load_before = time.perf_counter(), os.getloadavg()
+    ours: dict = {}
+    theirs: dict = {}
+    eviction: dict = {}
     with short_tmp_dir("kvbm-") as tmp:
-        ours, theirs = chat_rounds(tmp, scenarios, requests, repeats, args.seed, baseline)
-        eviction = bench_eviction(tmp, sizes, 10_000, rounds, args.chain, args.chunk)
+        if "chat" in phases:
+            ours, theirs = chat_rounds(tmp, scenarios, requests, repeats, args.seed, baseline)
+        if "eviction" in phases:
+            eviction = bench_eviction(tmp, sizes, 10_000, rounds, args.chain, args.chunk,
+                                      policies)
     runs = {name: median_run(rs) for name, rs in ours.items()}
     fd_runs = {name: median_run(rs) for name, rs in theirs.items() if rs}
     emit({"bench": "manager", "quick": args.quick, "block_size": BLOCK_SIZE, **runs,
-          "eviction": eviction, "fastdeploy": fd_runs, **speed_vs_fastdeploy(ours, theirs),
+          "eviction": eviction, "fastdeploy": fd_runs,
+          **(speed_vs_fastdeploy(ours, theirs) if ours else {}),
           "total_s": time.perf_counter() - t0,
           # 1-minute load average before and after: other jobs on the machine
           # slow this memory-bound replay more than FastDeploy's interpreter-bound one

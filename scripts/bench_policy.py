@@ -18,12 +18,21 @@ Workloads (``kvcached.tools.workload``):
   to the one-offs (against ``think`` alone, same seed and capacity).
 
 Backends: the reference simulator (``tests/reference/simulator.py``, whose
-LRU reproduces a GPU-only ``CacheManager`` hit for hit) runs every policy
-today. ``--manager`` replays the same requests through the real
-``CacheManager`` (``CacheConfig(eviction_policy=...)``, GPU tier only) and
-is PENDING the native core's port of the policy: until ``CacheConfig`` has
-``eviction_policy`` it stops with an error instead of measuring anything.
+LRU reproduces a GPU-only ``CacheManager`` hit for hit) runs every policy;
+its adaptive policy is the native core's (``_core.Policy``, which the
+differential tests hold to the reference decision for decision; ``--impl
+reference`` runs the Python reference instead, a few times slower).
+``--manager`` replays the same requests through the real ``CacheManager``
+(``CacheConfig(eviction_policy=...)``, GPU tier only), with the manager's
+block keys in the simulator (``to_block_requests(namespace=...)``), so its
+hits must equal the simulator's with either policy (``manager_*_match_ok``).
 The optimum is offline and always comes from the simulator.
+
+``--ghost-variants`` also runs the adaptive policy with other ghosts at the
+same sizes (``BITS/WIN/FACTOR/WAYS``: entry width, bits of window in it,
+entries per cached block, associativity) and reports each one's ratio to
+LRU and its bytes per cached block (``FACTOR * BITS / 8``): issue 23 asks
+for a few MB per million cached blocks.
 
 Targets (issue 23): on ``think``, adaptive >= 1.8x LRU at the 20% point and
 >= 1.15x at the 50% point; never below 0.99x LRU anywhere; with
@@ -51,7 +60,7 @@ from _bench_util import ROOT, emit, log
 sys.path.insert(0, str(ROOT / "tests"))  # the reference models live with the tests
 
 from reference.optimum import OptimumPolicy  # noqa: E402
-from reference.policy import AdaptivePolicy, LRUPolicy  # noqa: E402
+from reference.policy import AdaptiveParams, AdaptivePolicy, LRUPolicy  # noqa: E402
 from reference.simulator import (  # noqa: E402
     BlockRequest,
     SimResult,
@@ -59,6 +68,8 @@ from reference.simulator import (  # noqa: E402
     to_block_requests,
 )
 
+from kvcached.core import _core  # noqa: E402
+from kvcached.core.hashing import namespace_hash  # noqa: E402
 from kvcached.tools.workload import (  # noqa: E402
     ChatRequest,
     iter_chat_workload,
@@ -90,15 +101,33 @@ def chat_requests(name: str, args: argparse.Namespace, seed: int) -> Iterator[Ch
 
 
 # ---------------------------------------------------------------- backends
+IMPL = {"adaptive": "native"}  # --impl: who runs the adaptive policy in the simulator
+
+
+def adaptive(capacity: int, params: AdaptiveParams | None = None):
+    """The adaptive policy: the native core's, or (--impl reference) the Python one."""
+    params = params or AdaptiveParams()
+    if IMPL["adaptive"] == "reference":
+        return AdaptivePolicy(capacity, params)
+    return _core.Policy(capacity, dataclasses.asdict(params))
+
+
 POLICIES: dict[str, Callable[[int], object]] = {
     "lru": lambda capacity: LRUPolicy(),
-    "adaptive": AdaptivePolicy,
+    "adaptive": adaptive,
 }
 
 
-def sim(blocks: list[BlockRequest], capacity: int, policy: str) -> SimResult:
-    """``policy`` at ``capacity`` blocks in the simulator (hits per request kept)."""
-    pol = OptimumPolicy(blocks) if policy == "optimum" else POLICIES[policy](capacity)
+def sim(blocks: list[BlockRequest], capacity: int, policy: str,
+        params: AdaptiveParams | None = None) -> SimResult:
+    """``policy`` at ``capacity`` blocks in the simulator (hits per request kept);
+    ``params``: the adaptive policy's, when not the defaults."""
+    if policy == "optimum":
+        pol = OptimumPolicy(blocks)
+    elif params is not None:
+        pol = adaptive(capacity, params)
+    else:
+        pol = POLICIES[policy](capacity)
     res = simulate(blocks, capacity, pol, per_request=True)
     assert res.rejected == 0, f"{res.rejected} requests did not fit in {capacity} blocks"
     return res
@@ -110,7 +139,7 @@ def scan_losses(requests: list[ChatRequest], blocks: list[BlockRequest],
     """What the one-off prompts cost the conversations, per policy: their hit rate
     with the one-offs mixed in (``runs``, on ``scan``) against the same
     conversations alone (``think``, same seed), at the same capacity."""
-    alone = to_block_requests(chat_requests("think", args, seed), args.block_size)
+    alone = block_requests(chat_requests("think", args, seed), args)
     conv = [r.conversation_id >= 0 for r in requests]
     total = sum(b.prompt_blocks for b, c in zip(blocks, conv) if c)
     out = {}
@@ -120,22 +149,29 @@ def scan_losses(requests: list[ChatRequest], blocks: list[BlockRequest],
     return out
 
 
+# The manager's block keys: the default config's namespace (no model, weights "0").
+MANAGER_NAMESPACE = namespace_hash("", "0", "")
+
+
+def block_requests(requests, args: argparse.Namespace) -> list[BlockRequest]:
+    """The requests as block chains; with --manager keyed as the manager keys them,
+    so that the adaptive policy's ghost (which hashes keys) decides as it does
+    inside the manager."""
+    ns = MANAGER_NAMESPACE if args.manager else None
+    return to_block_requests(requests, args.block_size, namespace=ns)
+
+
 def manager_replay(requests: list[ChatRequest], capacity: int, block_size: int,
                    policy: str | None) -> dict:
     """Replay ``requests`` through a GPU-only ``CacheManager`` of ``capacity``
-    blocks: ``{"hit_rate", "rejected", "requests_per_s"}`` (the rate counts the
-    manager's calls only). ``policy`` None is the manager's default; naming one
-    needs ``CacheConfig.eviction_policy`` (pending the core port)."""
+    blocks: ``{"hit_rate", "rejected", "requests_per_s", "per_request"}`` (the
+    rate counts the manager's calls only; ``per_request``: each request's GPU hit
+    blocks). ``policy`` None is the manager's default."""
     from kvcached import CacheConfig
     from kvcached.core.manager import CacheManager
 
-    extra = {}
-    if policy is not None:
-        if "eviction_policy" not in {f.name for f in dataclasses.fields(CacheConfig)}:
-            raise SystemExit("--manager is pending the core port of issue 23: CacheConfig "
-                             "has no eviction_policy yet, so only the simulator can run "
-                             "the policies (drop --manager)")
-        extra["eviction_policy"] = policy
+    extra = {} if policy is None else {"eviction_policy": policy}
+    seen = [0]
     with tempfile.TemporaryDirectory(prefix="kvc-policy-", dir="/tmp") as run_dir:
         cfg = CacheConfig.load(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32",
                                block_size=block_size, num_gpu_blocks=capacity,
@@ -144,12 +180,14 @@ def manager_replay(requests: list[ChatRequest], capacity: int, block_size: int,
                                check_host_memory=False, control_socket=False,
                                run_dir=run_dir, **extra)
         with CacheManager(cfg).start() as mgr:
-            res = replay(mgr, requests)
+            res = replay(mgr, requests, on_progress=lambda done, r: seen.append(
+                r["hit_tokens"]["gpu"] // block_size))
     hit_blocks = res["hit_tokens"]["gpu"] // block_size
     calls_s = sum(map(sum, (res["allocate_us"], res["commit_us"], res["free_us"]))) / 1e6
     return {"hit_rate": hit_blocks / res["prompt_blocks"] if res["prompt_blocks"] else 0.0,
             "rejected": res["rejected"],
-            "requests_per_s": res["requests"] / calls_s if calls_s else 0.0}
+            "requests_per_s": res["requests"] / calls_s if calls_s else 0.0,
+            "per_request": [b - a for a, b in zip(seen, seen[1:])]}
 
 
 # -------------------------------------------------------------- cache sizes
@@ -183,7 +221,7 @@ def find_capacity(frac: Callable[[int], float], known: dict[int, float], target:
 def bench_workload(name: str, seed: int, args: argparse.Namespace) -> list[dict]:
     """The table rows of one workload and seed."""
     requests = list(chat_requests(name, args, seed))
-    blocks = to_block_requests(requests, args.block_size)
+    blocks = block_requests(requests, args)
     distinct = len({k for b in blocks for k in b.keys})
     unbounded = sim(blocks, distinct, "lru").hit_rate
     smallest = max(b.blocks_needed for b in blocks)
@@ -209,26 +247,59 @@ def bench_workload(name: str, seed: int, args: argparse.Namespace) -> list[dict]
         if name == "scan":
             row.update(scan_losses(requests, blocks, runs, capacity, args, seed))
         if args.manager:
-            row.update(manager_rows(requests, capacity, args.block_size))
+            row.update(manager_rows(requests, capacity, args.block_size, runs))
+        variants = {}
+        for spec in args.ghost_variants:
+            rate = sim(blocks, capacity, "adaptive", ghost_params(spec)).hit_rate
+            variants[spec] = {"hit_rate": rate, "ratio": rate / rates["lru"]
+                              if rates["lru"] else float("inf")}
+        if variants:
+            row["ghost_variants"] = variants
         rows.append(row)
         log(f"  {target:.0%} point: {capacity} blocks: lru {rates['lru']:.3f} adaptive "
-            f"{rates['adaptive']:.3f} ({rows[-1]['ratio']:.2f}x) optimum {rates['optimum']:.3f}")
+            f"{rates['adaptive']:.3f} ({rows[-1]['ratio']:.2f}x) optimum {rates['optimum']:.3f}"
+            + "".join(f"; {spec} {v['ratio']:.2f}x" for spec, v in variants.items()))
     log(f"  ({len(known) - 1} LRU runs to find the sizes)")
     return rows
 
 
-def manager_rows(requests: list[ChatRequest], capacity: int, block_size: int) -> dict:
-    """Both policies through the real manager: hit rates, and the request rate
-    with the adaptive policy over the rate with LRU (issue 23: >= 0.8)."""
-    out = {}
-    for policy in ("lru", "adaptive"):
-        res = manager_replay(requests, capacity, block_size, policy)
-        assert res["rejected"] == 0, f"the manager rejected {res['rejected']} requests"
-        out[f"manager_{policy}"] = res["hit_rate"]
-        out[f"manager_{policy}_requests_per_s"] = res["requests_per_s"]
+def manager_rows(requests: list[ChatRequest], capacity: int, block_size: int,
+                 runs: dict[str, SimResult], repeats: int = 3) -> dict:
+    """Both policies through the real manager: hit rates (each request's hits
+    compared with the simulator's), and the request rate with the adaptive
+    policy over the rate with LRU (issue 23: >= 0.8). The replays alternate
+    between the policies ``repeats`` times and the best rate of each counts (the
+    machine is shared: the best run is the one least disturbed)."""
+    out: dict = {}
+    rates: dict[str, list[float]] = {"lru": [], "adaptive": []}
+    for _ in range(repeats):
+        for policy in ("lru", "adaptive"):
+            res = manager_replay(requests, capacity, block_size, policy)
+            assert res["rejected"] == 0, f"the manager rejected {res['rejected']} requests"
+            out[f"manager_{policy}"] = res["hit_rate"]
+            out[f"manager_{policy}_same_hits"] = res["per_request"] == runs[policy].per_request
+            rates[policy].append(res["requests_per_s"])
+    for policy, r in rates.items():
+        out[f"manager_{policy}_requests_per_s"] = max(r)
     out["manager_rate_ratio"] = (out["manager_adaptive_requests_per_s"]
                                  / out["manager_lru_requests_per_s"])
+    out["manager_ratio"] = (out["manager_adaptive"] / out["manager_lru"]
+                            if out["manager_lru"] else float("inf"))
     return out
+
+
+def ghost_params(spec: str) -> AdaptiveParams:
+    """``BITS/WIN/FACTOR/WAYS`` (e.g. ``16/6/4/8``) as the adaptive policy's params."""
+    try:
+        bits, win, factor, ways = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--ghost-variants: {spec!r} is not BITS/WIN/FACTOR/WAYS") from None
+    return AdaptiveParams(ghost_bits=bits, ghost_win_bits=win, ghost_factor=factor, ways=ways)
+
+
+def ghost_bytes_per_block(params: AdaptiveParams) -> float:
+    """The ghost's memory per cached block (the sets round it up a little)."""
+    return params.ghost_factor * params.ghost_bits / 8
 
 
 def _row(name: str, seed: int, target: float, capacity: int, unbounded: float,
@@ -265,11 +336,26 @@ def verdict(rows: list[dict]) -> dict:
     if "manager_rate_ratio" in rows[0]:
         out["manager_min_rate_ratio"] = min(r["manager_rate_ratio"] for r in rows)
         out["manager_rate_ok"] = out["manager_min_rate_ratio"] >= MANAGER_MIN_RATE_RATIO
-        # The simulator's LRU is the manager's, hit for hit: a mismatch means
-        # the simulated numbers no longer describe the manager.
-        out["manager_lru_match_ok"] = all(abs(r["manager_lru"] - r["lru"]) < 1e-9
-                                          for r in rows)
-    out["all_ok"] = all(v for k, v in out.items() if k.endswith("_ok"))
+        out["manager_min_ratio"] = min(r["manager_ratio"] for r in rows)
+        # The simulator is the manager, request for request, under both policies:
+        # a mismatch means the simulated numbers no longer describe the manager.
+        for policy in ("lru", "adaptive"):
+            out[f"manager_{policy}_match_ok"] = all(r[f"manager_{policy}_same_hits"]
+                                                    for r in rows)
+        # Issue 23: adaptive becomes the default once it is never below 0.99x LRU
+        # on any workload of the benchmark through the manager.
+        out["adaptive_default_ok"] = out["manager_min_ratio"] >= FLOOR_RATIO
+    specs = [s for r in rows for s in r.get("ghost_variants", {})]
+    if specs:
+        out["ghost_variants"] = {
+            spec: {"bytes_per_block": ghost_bytes_per_block(ghost_params(spec)),
+                   "min_ratio": min(r["ghost_variants"][spec]["ratio"] for r in rows),
+                   "think_20pct_min_ratio": min(
+                       (r["ghost_variants"][spec]["ratio"] for r in rows
+                        if r["workload"] == "think" and r["target"] == 0.2), default=None)}
+            for spec in dict.fromkeys(specs)}
+    out["all_ok"] = all(v for k, v in out.items()
+                        if k.endswith("_ok") and k != "adaptive_default_ok")
     return out
 
 
@@ -299,8 +385,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="share of one-off long prompts in the scan workload")
     ap.add_argument("--quick", action="store_true", help="one seed, 5000 requests")
     ap.add_argument("--manager", action="store_true",
-                    help="also replay through CacheManager (PENDING the core port)")
+                    help="also replay through CacheManager with each policy")
+    ap.add_argument("--impl", choices=("native", "reference"), default="native",
+                    help="the adaptive policy in the simulator: the core's or the Python one")
+    ap.add_argument("--ghost-variants", nargs="*", default=[], metavar="BITS/WIN/FACTOR/WAYS",
+                    help="also run the adaptive policy with these ghosts (e.g. 16/6/4/8)")
     args = ap.parse_args(argv)
+    for spec in args.ghost_variants:
+        ghost_params(spec)  # a bad spec fails now, not after an hour
     if args.quick:
         args.seeds, args.requests = args.seeds[:1], min(args.requests, 5000)
     return args
@@ -308,13 +400,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    IMPL["adaptive"] = args.impl
     rows = [row for name in args.workloads for seed in args.seeds
             for row in bench_workload(name, seed, args)]
     print_table(rows)
     result = {"bench": "policy", "backend": "manager+simulator" if args.manager else "simulator",
               "requests": args.requests, "block_size": args.block_size,
               "think_time": args.think_time, "turns": args.turns,
-              "scan_fraction": args.scan_fraction, "seeds": args.seeds,
+              "scan_fraction": args.scan_fraction, "seeds": args.seeds, "impl": args.impl,
+              "ghost_bytes_per_block": ghost_bytes_per_block(AdaptiveParams()),
               "rows": rows, **verdict(rows)}
     emit(result)
     return result

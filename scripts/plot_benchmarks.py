@@ -14,7 +14,9 @@ whole output can be saved and passed as is. Charts, one per kind found:
 - ``trace_hit_rate.png``: hit rate (total and per tier) vs GPU tier capacity
   (``kvcached bench trace``, one line per capacity);
 - ``vllm.png``: TTFT of a hit by where it comes from, and multi-turn chat
-  TTFT and prefill computed per mode (``scripts/bench_vllm.py``).
+  TTFT and prefill computed per mode (``scripts/bench_vllm.py``);
+- ``policy.png``: hit rate of LRU, the adaptive policy and the offline
+  optimum at each cache size, per workload (``scripts/bench_policy.py``).
 
 matplotlib is optional: without it the script says so and exits 0.
 """
@@ -176,6 +178,39 @@ def plot_vllm(plt, results: list[dict], out: Path) -> Path:
     return _save(fig, out / "vllm.png")
 
 
+def policy_series(res: dict) -> dict[str, dict[str, list[float]]]:
+    """workload -> {"target": [...], "lru"/"adaptive"/"optimum": mean hit rate over
+    the seeds at each target point}."""
+    acc: dict[str, dict[float, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for row in res["rows"]:
+        acc[row["workload"]][row["target"]].append(row)
+    out = {}
+    for name, by_target in acc.items():
+        targets = sorted(by_target)
+        out[name] = {"target": targets, **{
+            p: [sum(r[p] for r in by_target[t]) / len(by_target[t]) for t in targets]
+            for p in ("lru", "adaptive", "optimum")}}
+    return out
+
+
+def plot_policy(plt, results: list[dict], out: Path) -> Path:
+    """Hit rate by cache size (the target points), one panel per workload."""
+    series = policy_series(results[-1])
+    fig, axes = plt.subplots(1, len(series), figsize=(3.6 * len(series), 3.4), squeeze=False)
+    for ax, (name, s) in zip(axes[0], series.items()):
+        xs = range(len(s["target"]))
+        for k, (policy, color) in enumerate((("lru", "tab:gray"), ("adaptive", "tab:blue"),
+                                             ("optimum", "tab:green"))):
+            ax.bar([x + (k - 1) * 0.27 for x in xs], s[policy], 0.27, color=color,
+                   label=policy)
+        ax.set_xticks(list(xs), [f"{t:.0%}" for t in s["target"]])
+        ax.set(title=name, xlabel="cache size (LRU's share of the unbounded hit rate)",
+               ylabel="hit rate", ylim=(0, 1))
+        ax.xaxis.label.set_size(7)
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    return _save(fig, out / "policy.png")
+
+
 def _kib(n: int) -> str:
     return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
 
@@ -213,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         drawn.append(plot_trace(plt, results["trace"], args.out))
     if "vllm" in results:
         drawn.append(plot_vllm(plt, results["vllm"], args.out))
+    if "policy" in results:
+        drawn.append(plot_policy(plt, results["policy"], args.out))
     for p in drawn:
         print(p)
     if not drawn:
-        print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace or vllm results",
+        print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace, vllm or policy results",
               file=sys.stderr)
     return 0
 

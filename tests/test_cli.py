@@ -30,6 +30,10 @@ STATUS = {
         "transfers": {"swap_out": {"submitted": 6, "done": 5, "failed": 1, "blocks": 20,
                                    "bytes": 3 * 2**20, "p50_ms": 1.25, "p99_ms": 4.5}},
         "evictions": {"gpu_to_cpu": 20}, "storage": {"stored": 12, "store_failed": 2},
+        "policy": {"name": "adaptive",
+                   "gpu": {"ghost_entries": 300, "ghost_slots": 512, "ghost_bytes": 1024,
+                           "hits": 90, "ghost_hits": 10, "inserts": 400,
+                           "ghost_hit_share": 0.1}},
     },
     "workers": [
         {"rank": 0, "pid": 4242, "state": "ready", "last_seen_s": 0.2, "restarts": 0,
@@ -164,6 +168,11 @@ def test_status_text_shows_workers_tiers_hits_transfers_storage_logs(engine):
     assert ("rank 0: 3.0 MiB used of 1.0 GiB cap, loaded 5, stored 12, rejected 3 "
             "(checksum mismatch 2, short read 1), errors 1") in out
     assert "evictions (blocks): gpu_to_cpu 20" in out
+    # The eviction policy, and (adaptive) each tier's ghost and what it remembered.
+    assert "eviction policy: adaptive" in out
+    assert ("gpu: ghost 300 of 512 entries (1.0 KiB); reuses 90 hits + 10 evicted blocks "
+            "back = 10.0% remembered by the ghost") in out
+    assert "a larger tier would have served it" in out
     # The columns that are not self-explanatory are explained.
     assert "fast: of those done, the ones the native fast path served" in out
 

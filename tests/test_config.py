@@ -203,6 +203,8 @@ def test_env_bad_number(monkeypatch, var, field, text, kind):
     ("cuda_copy_d2h", "dma", "cuda_copy_d2h must be one of 'kernel', 'direct', 'batch'; "
                              "got 'dma'"),
     ("cuda_copy_h2d", "", "cuda_copy_h2d must be one of 'kernel', 'direct', 'batch'; got ''"),
+    ("eviction_policy", "lfu", "eviction_policy must be one of 'lru', 'adaptive'; got 'lfu'"),
+    ("eviction_policy", 1, "eviction_policy must be a string, got 1"),
     ("cuda_grid_blocks", 0, "cuda_grid_blocks must be in 1..1024"),
     ("cuda_grid_blocks", 1025, "got 1025"),
     ("cuda_block_threads", 48, "cuda_block_threads must be a multiple of 32 in 32..512, got 48"),
@@ -214,6 +216,23 @@ def test_invalid_value_names_field_value_and_allowed(key, value, message):
     with pytest.raises(ValueError) as e:
         CacheConfig.load(**{key: value})
     assert message in str(e.value)
+
+
+def test_eviction_policy_reaches_the_core(monkeypatch, tmp_path):
+    from kvcached.core.manager import CacheManager
+    kw = dict(num_gpu_blocks=8, num_cpu_blocks=4, transfer_mode="inprocess",
+              check_host_memory=False)
+    for policy, tiers in (("adaptive", {"policy", "params", "gpu", "cpu"}), ("lru", {"policy"})):
+        if policy == "lru":
+            monkeypatch.setenv("KVCACHED_EVICTION_POLICY", "lru")
+        cfg = CacheConfig.load(run_dir=str(tmp_path / policy), **kw)
+        assert cfg.eviction_policy == policy  # adaptive: the default
+        mgr = CacheManager(cfg)
+        try:
+            assert mgr.core.policy == policy
+            assert set(mgr.core.policy_stats()) == tiers
+        finally:
+            mgr.close()
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "redis"])

@@ -45,7 +45,9 @@ class Pair:
                 extra["storage_url"] = str(tmp_path / name / "store")
             if setup.get("kv_events_endpoint"):
                 extra["kv_events_endpoint"] = f"ipc://{tmp_path}/{name}-events"
-            cfg = tiny_config(run_dir=str(tmp_path / name / "run"), **{**setup, **extra})
+            # the reference manager evicts by LRU
+            cfg = tiny_config(run_dir=str(tmp_path / name / "run"),
+                              **{"eviction_policy": "lru", **setup, **extra})
             self.mgrs.append(cls(cfg, transfer=FlakyTransfer(cfg, cfg.run_dir)).start())
 
     def call(self, fn):

@@ -31,7 +31,8 @@ CHAT = dict(num_system_prompts=2, system_tokens=96, turn_tokens=(16, 64),
 
 def both(gpu: int, cpu: int, make_manager) -> tuple[dict, dict, dict]:
     reqs = generate_chat_workload(150, seed=3, **CHAT)
-    with make_manager(num_gpu_blocks=gpu, num_cpu_blocks=cpu, block_size=BS) as mgr:
+    with make_manager(num_gpu_blocks=gpu, num_cpu_blocks=cpu, block_size=BS,
+                      eviction_policy="lru") as mgr:  # FastDeploy's policy
         ours = replay(mgr, reqs)
         evictions = mgr.stats().evictions
     theirs = fastdeploy.replay(fastdeploy.make(fastdeploy.load(), gpu, cpu), reqs, BS)
@@ -99,5 +100,8 @@ def test_the_benchmark_runs_end_to_end_and_ends_with_its_json_line():
     assert res["chat"]["served"] + res["chat"]["rejected"] == 30
     assert res["chat_gpu_resident"]["us_per_block"] > 0
     assert set(res["eviction"]["ns_per_block"]) == {"1000", "2000"}
+    # both eviction policies, measured in the same run, and the one against the other
+    assert set(res["eviction"]["policies"]) == {"lru", "adaptive"}
+    assert set(res["eviction"]["adaptive_over_lru"]) == {"1000", "2000"}
     assert len(res["load_avg_1m"]) == 2 and all(x >= 0 for x in res["load_avg_1m"])
     assert "times_cheaper_than_fastdeploy" not in res  # no baseline was run

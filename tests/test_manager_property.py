@@ -1,9 +1,16 @@
 """Random allocate / commit / extend / free / eviction / failed transfers,
 with ``check_invariants()`` after every step (hypothesis stateful testing),
-the reference manager (tests/reference/) serving the same calls alongside:
-after every step both must be in the same state.
+under each eviction policy:
 
-150 examples x 100 steps: at least 10,000 steps in CI.
+- ``lru``: the reference manager (tests/reference/) serves the same calls
+  alongside; after every step both must be in the same state.
+- ``adaptive``: no reference manager evicts like it, so the core's policy
+  calls (both tiers, swap-outs, failed copies and all) are recorded and
+  replayed into the reference policy (tests/reference/policy.py), one per
+  tier, after every step: every victim the core took must be the one the
+  reference picks.
+
+150 examples x 100 steps per policy: at least 10,000 steps each in CI.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from reference.compare import diff, reference_state, state
 from reference.manager import CacheManager as ReferenceManager
+from reference.policy import AdaptivePolicy, replay_calls
 
 from kvcached import NoFreeBlocks, TransferFailed
 from kvcached.core.manager import CacheManager
@@ -29,30 +37,45 @@ prompts = st.lists(st.integers(1, 3), min_size=1, max_size=5).flatmap(
         lambda tail: [b for b in blocks for _ in range(BS)] + [7] * tail))
 
 
-STEPS = [0]  # steps run by every example, checked by test_enough_steps_ran
+STEPS = {"lru": 0, "adaptive": 0}  # steps run, checked by test_enough_steps_ran
+VICTIMS = {0: 0, 1: 0}  # adaptive: victims replayed per tier (0 gpu, 1 cpu)
+GPU_BLOCKS, CPU_BLOCKS = 12, 6
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    policy = "lru"
+
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvc-prop-")
-        cfg = tiny_config(run_dir=self.dir, num_gpu_blocks=12, num_cpu_blocks=6)
+        cfg = tiny_config(run_dir=self.dir, num_gpu_blocks=GPU_BLOCKS,
+                          num_cpu_blocks=CPU_BLOCKS, eviction_policy=self.policy)
         self.transfer = FlakyTransfer(cfg, self.dir)
         self.mgr = CacheManager(cfg, transfer=self.transfer).start()
-        ref_cfg = cfg.replace(run_dir=self.dir + "/reference")
-        self.ref_transfer = FlakyTransfer(ref_cfg, ref_cfg.run_dir)
-        self.ref = ReferenceManager(ref_cfg, transfer=self.ref_transfer).start()
+        self.transfers = [self.transfer]
+        self.ref = None
+        if self.policy == "lru":
+            ref_cfg = cfg.replace(run_dir=self.dir + "/reference")
+            self.ref_transfer = FlakyTransfer(ref_cfg, ref_cfg.run_dir)
+            self.ref = ReferenceManager(ref_cfg, transfer=self.ref_transfer).start()
+            self.transfers.append(self.ref_transfer)
+        else:  # the reference policy of each tier, fed the core's calls
+            self.mgr.core.set_policy_log(True)
+            self.ref_policies = {0: AdaptivePolicy(GPU_BLOCKS), 1: AdaptivePolicy(CPU_BLOCKS)}
         self.running: dict[int, list[int]] = {}  # rid -> tokens it holds
         self.next_id = 0
 
     def teardown(self):
         self.mgr.close()
-        self.ref.close()
+        if self.ref is not None:
+            self.ref.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def both(self, fn):
-        """fn(manager) on the manager and on the reference: the same result or
-        the same exception type; returns the manager's result (or raises)."""
+        """fn(manager) on the manager and on the reference (under LRU): the same
+        result or the same exception type; returns the manager's result (or raises)."""
+        if self.ref is None:
+            return fn(self.mgr)
         out = []
         for mgr in (self.mgr, self.ref):
             try:
@@ -119,7 +142,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(kinds=st.sets(st.sampled_from(["swap_out", "swap_in"])), lost=st.booleans())
     def set_failures(self, kinds, lost):
-        for transfer in (self.transfer, self.ref_transfer):
+        for transfer in self.transfers:
             transfer.fail_kinds = kinds
             transfer.lost = lost
 
@@ -136,21 +159,46 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def invariants_hold(self):
-        STEPS[0] += 1
+        STEPS[self.policy] += 1
         self.mgr.check_invariants()
         st_ = self.mgr.stats()
-        assert st_.tiers["gpu"].used + st_.tiers["gpu"].free == 12
-        d = diff(state(self.mgr), reference_state(self.ref))
-        assert d is None, d
+        assert st_.tiers["gpu"].used + st_.tiers["gpu"].free == GPU_BLOCKS
+        if self.ref is not None:
+            d = diff(state(self.mgr), reference_state(self.ref))
+            assert d is None, d
+        else:
+            self.replay_policy_calls()
+
+    def replay_policy_calls(self):
+        """The core's policy calls since the last step, into the reference policies:
+        every victim must be the reference's."""
+        for tier, name, key in self.mgr.core.drain_policy_log():
+            args = {"on_insert": (key, 0, 0), "on_hit": (key, 0), "victim": ()}.get(name, (key,))
+            want = key if name == "victim" else None
+            replay_calls(self.ref_policies[tier], [(name, args, want)])
+            VICTIMS[tier] += name == "victim" and key is not None
+        for tier, pol in self.ref_policies.items():
+            snap = self.mgr.snapshot()
+            listed = snap.gpu_lru if tier == 0 else snap.cpu_lru
+            keys = {int.from_bytes(snap.nodes[i].hash[:8], "little") for i in listed}
+            assert keys == pol.leaves(), f"tier {tier}: the core lists other leaves"
 
 
+class AdaptiveManagerMachine(ManagerMachine):
+    policy = "adaptive"
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=100, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(
-    max_examples=150, stateful_step_count=100, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestManagerMachine.settings = SETTINGS
+TestAdaptiveManagerMachine = AdaptiveManagerMachine.TestCase
+TestAdaptiveManagerMachine.settings = SETTINGS
 
 
 def test_enough_steps_ran():
-    """Runs after the machine (file order): CI must have checked >= 10,000 steps."""
-    print(f"stateful steps checked: {STEPS[0]}")
-    assert STEPS[0] >= 10_000
+    """Runs after the machines (file order): CI must have checked >= 10,000 steps
+    under each policy."""
+    print(f"stateful steps checked: {STEPS}; adaptive victims replayed per tier: {VICTIMS}")
+    assert min(STEPS.values()) >= 10_000
+    assert min(VICTIMS.values()) >= 100

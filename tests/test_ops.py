@@ -239,6 +239,12 @@ def test_metrics_from_a_fake_manager():
         assert metric(text, "kvcached_worker_restarts_total", rank="1") == 2
         assert metric(text, "kvcached_storage_errors_total", kind="store_failed") == 2
         assert metric(text, "kvcached_tier_blocks", tier="gpu", state="free") == 24
+        assert metric(text, "kvcached_eviction_policy", policy="adaptive") == 1
+        assert metric(text, "kvcached_ghost_entries", tier="gpu") == 300
+        assert metric(text, "kvcached_ghost_bytes", tier="gpu") == 1024
+        assert metric(text, "kvcached_policy_hits_total", tier="gpu") == 90
+        assert metric(text, "kvcached_ghost_hits_total", tier="gpu") == 10
+        assert metric(text, "kvcached_ghost_hit_share", tier="gpu") == 0.1
         fake.fail = True
         assert metric(scrape(server.url), "kvcached_up") == 0.0
         with pytest.raises(urllib.error.HTTPError):

@@ -222,7 +222,7 @@ def compare(mgr, ref: RefCache, prompts: list[list[int]]) -> dict:
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("num_gpu,max_blocks", [(4, 5), (8, 6), (16, 6), (64, 5)])
 def test_gpu_only_matches_reference(make_manager, seed, num_gpu, max_blocks):
-    mgr = make_manager(num_gpu_blocks=num_gpu, num_cpu_blocks=0)
+    mgr = make_manager(num_gpu_blocks=num_gpu, num_cpu_blocks=0, eviction_policy="lru")
     totals = compare(mgr, RefCache(BS, num_gpu, 0), block_prompts(seed, 250, max_blocks))
     assert totals["gpu"] > 0 and totals["cpu"] == 0
 
@@ -237,7 +237,7 @@ def test_gpu_only_matches_reference(make_manager, seed, num_gpu, max_blocks):
     (12, 40, 6),  # the CPU tier holds everything the GPU tier drops
 ])
 def test_gpu_and_cpu_match_reference(make_manager, seed, num_gpu, num_cpu, max_blocks):
-    mgr = make_manager(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu)
+    mgr = make_manager(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu, eviction_policy="lru")
     totals = compare(mgr, RefCache(BS, num_gpu, num_cpu),
                      block_prompts(100 + seed, 250, max_blocks, alphabet=3))
     assert totals["gpu"] > 0 and totals["cpu"] > 0
@@ -245,7 +245,7 @@ def test_gpu_and_cpu_match_reference(make_manager, seed, num_gpu, num_cpu, max_b
 
 @pytest.mark.parametrize("num_gpu,num_cpu", [(12, 0), (12, 6), (16, 32)])
 def test_chat_workload_matches_reference(make_manager, num_gpu, num_cpu):
-    mgr = make_manager(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu)
+    mgr = make_manager(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu, eviction_policy="lru")
     reqs = small_chat(200, seed=num_gpu + num_cpu)
     totals = compare(mgr, RefCache(BS, num_gpu, num_cpu), [r.prompt for r in reqs])
     assert totals["gpu"] > 0

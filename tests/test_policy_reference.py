@@ -109,7 +109,7 @@ def test_a_leaf_that_comes_back_survives_one_off_prompts():
 
 
 def test_a_ghost_hit_promotes_the_block_and_teaches_its_age():
-    pol = AdaptivePolicy(8)  # window = 1 tick: a window per insert
+    pol = AdaptivePolicy(8, AdaptiveParams(min_window=1))  # window = 1 tick: a window per insert
     key = 12345
     pol.on_insert(key, 1, 0)  # tick 1
     assert pol.cls[key] == 0
@@ -131,7 +131,7 @@ def test_a_ghost_hit_promotes_the_block_and_teaches_its_age():
 
 
 def test_a_hit_promotes_and_counts_at_its_age():
-    pol = AdaptivePolicy(8)
+    pol = AdaptivePolicy(8, AdaptiveParams(min_window=1))
     pol.on_insert(7, 1, 0)  # tick 1
     pol.on_insert(8, 1, 0)
     pol.on_insert(9, 1, 0)  # tick 3
@@ -165,7 +165,7 @@ def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
 
 
 def test_cold_tables_evict_in_lru_order_and_a_branch_tail_first():
-    pol = AdaptivePolicy(64)  # window = 8 ticks: all of this in one window
+    pol = AdaptivePolicy(64)  # window = 64 ticks (min_window): all of this in one window
     a, b, c, x = 1, 2, 3, 4  # a chain a <- b <- c, and x, used after it
     for key in (a, b, c, x):
         pol.on_insert(key, 1, 0)
@@ -294,7 +294,7 @@ def manager_hits(requests, capacity: int, block_size: int) -> list[int]:
                                num_cpu_blocks=0, transfer_mode="inprocess",
                                create_cache=True, storage_backend=None,
                                check_host_memory=False, control_socket=False,
-                               run_dir=run_dir)
+                               run_dir=run_dir, eviction_policy="lru")
         seen = [(0, 0)]  # (hit tokens, rejected) after each request
         with CacheManager(cfg).start() as mgr:
             replay(mgr, requests, on_progress=lambda done, res: seen.append(
@@ -407,18 +407,10 @@ def test_bench_policy_runs_end_to_end(capsys):
     assert result["scan_loss_max"]["lru"] > 0  # the one-offs do push conversations out
 
 
-def test_bench_manager_replay_is_the_simulators_lru_today():
-    """--manager's replay path, run with the manager's default (LRU) policy."""
+def test_bench_manager_replay_is_the_simulators_lru():
+    """--manager's replay path, run with the manager's LRU policy."""
     requests = tiny_think(300, seed=8)
-    got = bench.manager_replay(requests, 40, 4, None)
+    got = bench.manager_replay(requests, 40, 4, "lru")
     want = simulate(to_block_requests(requests, 4), 40, LRUPolicy())
     assert got["hit_rate"] == pytest.approx(want.hit_rate) and want.evictions > 0
     assert got["rejected"] == 0 and got["requests_per_s"] > 0
-
-
-def test_bench_policy_manager_mode_is_pending_until_the_core_has_the_policy():
-    if "eviction_policy" in CacheConfig.__dataclass_fields__:
-        pytest.skip("the core has eviction_policy: --manager is live")
-    with pytest.raises(SystemExit, match="pending"):
-        bench.main(["--manager", "--workloads", "think", "--seeds", "0", "--requests", "200",
-                    "--think-time", "10", "40"])

@@ -35,6 +35,7 @@ def check(snap: CacheSnapshot) -> None:
     _check_requests(snap)
     _check_busy(snap)
     _check_leaves(snap)
+    _check_policy(snap)
     _check_memo(snap)
 
 
@@ -168,6 +169,25 @@ def _check_leaves(snap: CacheSnapshot) -> None:
             missing = [snap.nodes[i] for i in list(expected - actual)[:3]]
             _fail(f"{name} leaf heap differs from the evictable leaves: extra {extra}, "
                   f"missing {missing}")
+
+
+def _check_policy(snap: CacheSnapshot) -> None:
+    """The adaptive policy of a tier keeps state for exactly the nodes holding the
+    tier's copy: it heard of every copy gained (on_insert) and lost (on_evict)."""
+    if snap.policy == "lru":
+        return
+    for name, tracked, total, holds in (
+            ("GPU", snap.gpu_tracked, snap.gpu_blocks, lambda n: n.gpu >= 0),
+            ("CPU", snap.cpu_tracked, snap.cpu_blocks, lambda n: n.cpu >= 0)):
+        if not total:
+            continue
+        expected = {n.id for n in snap.nodes.values() if holds(n)}
+        actual = set(tracked)
+        if expected != actual:
+            extra = [snap.nodes.get(i, i) for i in list(actual - expected)[:3]]
+            missing = [snap.nodes[i] for i in list(expected - actual)[:3]]
+            _fail(f"the {name} tier's {snap.policy} policy tracks other nodes than those "
+                  f"holding its copy: extra {extra}, missing {missing}")
 
 
 def _check_memo(snap: CacheSnapshot) -> None:

@@ -87,7 +87,10 @@ class CacheManager:
         # With an external GPU tier the engine's block ids are its own: no GPU pool.
         self.core = _core.Core(0 if cfg.external_gpu_tier else cfg.num_gpu_blocks,
                                cfg.num_cpu_blocks, cfg.block_size, memo=cfg.hash_memo,
-                               external=cfg.external_gpu_tier)
+                               external=cfg.external_gpu_tier, policy=cfg.eviction_policy)
+        # LRU keys a leaf by its last use, stamped when a request lets go; the
+        # adaptive policy also counts each hit when allocate takes the match.
+        self._count_hits = cfg.eviction_policy != "lru"
         self._counters = Counters()
         self.planner = Planner(self.core, cfg, self._counters)
         self._ns = namespace_hash(cfg.model_id, cfg.weight_version, cfg.salt)
@@ -247,6 +250,8 @@ class CacheManager:
                 core.undo_match(creq)
                 self._counters.no_free_blocks += 1
                 raise NoFreeBlocks(need, avail)
+            if self._count_hits:
+                core.hit(creq)
             core.tick()
             if need > core.gpu_free:
                 try:
@@ -608,6 +613,7 @@ class CacheManager:
         is named in ``EngineLoad.missing``."""
         with self._lock:
             _, n_cpu, _ = self.core.match(creq, stop)
+            self.core.hit(creq)
             load = EngineLoad(creq, start, stop, device_ids, n_cpu)
             if n_cpu > start:
                 cpus = self.core.path_blocks(creq, start, n_cpu, CPU)

@@ -1,7 +1,7 @@
 """Tier states, and a plain-data snapshot of the cache for checks and tests.
 
 ``CacheManager.snapshot()`` copies out everything the native core holds
-(every node, both leaf heaps in eviction order, both free lists) and what
+(every node, both tiers' evictable leaves in eviction order, both free lists) and what
 the manager tracks around it (running requests, stores in flight). The
 invariant checks (``kvcached.core.invariants``) and the tests read this,
 never the manager's private fields. O(cached blocks): not for hot paths.
@@ -97,6 +97,11 @@ class CacheSnapshot:
     external: bool  # the engine owns the GPU tier: nodes hold CPU copies and storage only
     requests: list[RequestView] = field(default_factory=list)
     stores: list[list[int]] = field(default_factory=list)  # node ids of each store in flight
+    policy: str = "lru"  # the eviction policy (config eviction_policy)
+    # adaptive: the nodes each tier's policy keeps state for (must be those holding
+    # the tier's copy); empty under LRU
+    gpu_tracked: list[int] = field(default_factory=list)
+    cpu_tracked: list[int] = field(default_factory=list)
 
     @classmethod
     def from_core(cls, raw: dict, namespace: bytes, requests: list[RequestView],
@@ -105,7 +110,9 @@ class CacheSnapshot:
         return cls(raw["block_size"], namespace, raw["gpu_blocks"], raw["cpu_blocks"],
                    raw["clock"], nodes, tuple(raw["root_children"]), raw["gpu_lru"],
                    raw["cpu_lru"], raw["gpu_free"], raw["cpu_free"], raw["gpu_idle"],
-                   raw["num_nodes"], bool(raw["external"]), requests, stores)
+                   raw["num_nodes"], bool(raw["external"]), requests, stores,
+                   raw.get("policy", "lru"), raw.get("gpu_tracked", []),
+                   raw.get("cpu_tracked", []))
 
     def by_hash(self) -> dict[bytes, NodeView]:
         return {n.hash: n for n in self.nodes.values()}

@@ -1,5 +1,6 @@
 """Counters behind ``CacheManager.stats()``: requests, hits per tier, transfers,
-storage reads skipped (the core counts evictions and dedups itself)."""
+storage reads skipped (the core counts evictions, dedups and its eviction
+policy's events itself)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,34 @@ TIERS = ("gpu", "cpu", "storage")
 # Upper bounds (seconds) of the task latency histogram (/metrics task_latency_seconds).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def policy_view(core) -> dict[str, Any]:
+    """The eviction policy, for status and metrics: ``{"name": ...}`` and, under the
+    adaptive policy, per tier with blocks:
+
+    - ``ghost_entries`` / ``ghost_slots`` / ``ghost_bytes``: the ghost (keys of
+      recently evicted blocks) as filled, as sized, and its memory;
+    - ``hits``: reuses of blocks the tier held (matched at allocate; GPU: also a
+      commit that found the block cached);
+    - ``ghost_hits``: reuses that came too late, blocks that entered the tier
+      again after it evicted them, and that the ghost remembered;
+    - ``ghost_hit_share``: ghost_hits / (hits + ghost_hits), the share of the
+      reuses the tier saw that it had evicted (what a larger tier would serve);
+    - ``inserts``: blocks that entered the tier.
+    """
+    raw = core.policy_stats()
+    out: dict[str, Any] = {"name": raw["policy"]}
+    for tier in ("gpu", "cpu"):
+        t = raw.get(tier)
+        if t is None:
+            continue
+        reuses = t["hits"] + t["ghost_hits"]
+        out[tier] = {"ghost_entries": t["ghost_entries"], "ghost_slots": t["ghost_slots"],
+                     "ghost_bytes": t["ghost_bytes"], "hits": t["hits"],
+                     "ghost_hits": t["ghost_hits"], "inserts": t["inserts"],
+                     "ghost_hit_share": t["ghost_hits"] / reuses if reuses else 0.0}
+    return out
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -98,7 +127,8 @@ class Counters:
                    "cpu": TierUsage(core.cpu_blocks, cpu_used, core.cpu_free, cpu_used)},
             evictions=counted["evictions"], dedup_blocks=counted["dedup_blocks"],
             no_free_blocks=self.no_free_blocks, transfers=transfers, workers=workers,
-            storage=dict(self.storage), cached_nodes=core.num_nodes)
+            storage=dict(self.storage), cached_nodes=core.num_nodes,
+            policy=policy_view(core))
 
     def _histogram(self, kind: str) -> dict[str, Any]:
         """Every done task's latency, Prometheus style: cumulative counts per upper

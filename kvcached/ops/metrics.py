@@ -17,6 +17,11 @@ Metrics (all prefixed ``kvcached_``):
     task_latency_quantile_seconds{kind, quantile}   p50 / p99 of recent tasks
     tier_blocks{tier, state}              used | free | cached
     evictions_total{kind}
+    eviction_policy{policy}               1 for the policy in use (lru | adaptive)
+    ghost_entries{tier}, ghost_bytes{tier}   adaptive: the ghost of evicted blocks
+    policy_hits_total{tier}               adaptive: reuses of blocks the tier held
+    ghost_hits_total{tier}                adaptive: blocks back after eviction, remembered
+    ghost_hit_share{tier}                 ghost hits / (hits + ghost hits)
     queue_depth{rank, lane}               tasks waiting or running on a worker lane
     worker_up{rank}, worker_restarts_total{rank}
     storage_ops_total{kind}, storage_errors_total{kind}   from the storage counters
@@ -82,6 +87,7 @@ class StatusCollector:
         yield from _flags(core, status)
         yield from _hits(core, stats)
         yield from _tiers(core, stats)
+        yield from _policy(core, stats.get("policy") or {})
         yield from _transfers(core, stats.get("transfers") or {})
         yield from _workers(core, status.get("workers") or stats.get("workers") or [])
         yield from _storage(core, status.get("storage") or stats.get("storage") or {})
@@ -124,6 +130,37 @@ def _tiers(core, stats: dict) -> Iterator[Any]:
             if isinstance(usage, dict) and state in usage:
                 fam.add_metric([tier, state], usage[state])
     yield fam
+
+
+def _policy(core, policy: dict) -> Iterator[Any]:
+    """The eviction policy and, adaptive, each tier's ghost (``stats.policy``)."""
+    if not policy:
+        return
+    info = core.GaugeMetricFamily(PREFIX + "eviction_policy", "the eviction policy in use",
+                                  labels=["policy"])
+    info.add_metric([str(policy.get("name", "?"))], 1.0)
+    yield info
+    tiers = [(t, policy[t]) for t in ("gpu", "cpu") if isinstance(policy.get(t), dict)]
+    if not tiers:
+        return
+    fams = {
+        "ghost_entries": core.GaugeMetricFamily(
+            PREFIX + "ghost_entries", "evicted blocks the ghost remembers", labels=["tier"]),
+        "ghost_bytes": core.GaugeMetricFamily(
+            PREFIX + "ghost_bytes", "memory of the ghost", labels=["tier"]),
+        "hits": core.CounterMetricFamily(
+            PREFIX + "policy_hits", "reuses of blocks the tier held", labels=["tier"]),
+        "ghost_hits": core.CounterMetricFamily(
+            PREFIX + "ghost_hits", "blocks back in the tier after eviction, that the ghost "
+            "remembered", labels=["tier"]),
+        "ghost_hit_share": core.GaugeMetricFamily(
+            PREFIX + "ghost_hit_share", "ghost hits / (hits + ghost hits): the reuses that came "
+            "after eviction", labels=["tier"]),
+    }
+    for tier, p in tiers:
+        for key, fam in fams.items():
+            fam.add_metric([tier], p.get(key, 0))
+    yield from fams.values()
 
 
 def _transfers(core, transfers: dict) -> Iterator[Any]:

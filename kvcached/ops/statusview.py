@@ -45,6 +45,7 @@ def render_status(st: dict) -> str:
     workers = st.get("workers") or stats.get("workers") or []
     lines += _workers_table(workers)
     lines += _tiers_table(stats.get("tiers") or {})
+    lines += _policy_lines(stats.get("policy") or {})
     lines += _hits_lines(stats)
     lines += _transfers_table(stats.get("transfers") or {})
     lines += _storage_lines(st.get("storage") or stats.get("storage") or {},
@@ -95,6 +96,24 @@ def _tiers_table(tiers: dict) -> list[str]:
     return (["tiers (blocks):"] + _table(["tier", "total", "used", "free", "cached"], rows)
             + ["  cached: held by the cache tree; the rest of used: running requests' "
                "own blocks", ""])
+
+
+def _policy_lines(policy: dict) -> list[str]:
+    """The eviction policy; adaptive: each tier's ghost and the reuses it remembered."""
+    if not policy:
+        return []
+    lines = [f"eviction policy: {policy.get('name', '?')}"]
+    tiers = [(t, policy[t]) for t in ("gpu", "cpu") if isinstance(policy.get(t), dict)]
+    for tier, p in tiers:
+        lines.append(
+            f"  {tier}: ghost {p.get('ghost_entries', 0)} of {p.get('ghost_slots', 0)} entries "
+            f"({human_bytes(p.get('ghost_bytes', 0))}); reuses {p.get('hits', 0)} hits + "
+            f"{p.get('ghost_hits', 0)} evicted blocks back = "
+            f"{100 * p.get('ghost_hit_share', 0.0):.1f}% remembered by the ghost")
+    if tiers:
+        lines.append("  ghost: keys of recently evicted blocks; a block it remembers came back "
+                     "too late (a larger tier would have served it)")
+    return lines + [""]
 
 
 def _hits_lines(stats: dict) -> list[str]:

@@ -64,8 +64,11 @@ Constants (``AdaptiveParams``), for a tier of ``capacity`` blocks::
     CLASSES = 4           class = min(uses, CLASSES - 1); uses counts on_hit
                           calls and ghost returns since the block was new
     BINS = 64             age bins; the last one holds every older age
-    WINDOW = max(1, capacity // 8) ticks: the width of an age bin
+    WINDOW = max(MIN_WINDOW, capacity // 8) ticks: the width of an age bin
                           (so BINS * WINDOW = 8 x capacity: the reuse horizon)
+    MIN_WINDOW = 64       a rebuild costs O(CLASSES x BINS): in a tier of a
+                          few hundred blocks, windows of capacity // 8
+                          inserts made it most of the policy's cost
     GHOST = 8 * capacity  ghost entries (rounded up to whole sets of WAYS)
     WAYS = 8              ghost associativity
     DECAY_SHIFT = 7       the tables keep 1 - 2**-7 of their weight per window
@@ -249,23 +252,43 @@ class AdaptiveParams:
     ghost_factor: int = 8  # ghost entries per block of capacity
     ways: int = 8
     decay_shift: int = 7
+    ghost_bits: int = 32  # a ghost entry's width: 8, 16 or 32
+    ghost_win_bits: int = 12  # of which the window of last use (mod 2**this)
+    min_window: int = 64  # the fewest ticks per window (rebuilds are O(classes x bins))
 
     def __post_init__(self) -> None:
         if not 1 <= self.classes <= 16:
-            raise ValueError(f"classes must be in 1..16 (4 bits in a ghost entry), "
-                             f"got {self.classes}")
+            raise ValueError(f"classes must be in 1..16, got {self.classes}")
         if not 2 <= self.bins <= 2048:
-            raise ValueError(f"bins must be in 2..2048 (ages are kept mod 4096 windows), "
-                             f"got {self.bins}")
-        for name in ("windows_per_capacity", "ways", "decay_shift"):
+            raise ValueError(f"bins must be in 2..2048, got {self.bins}")
+        for name in ("windows_per_capacity", "ways", "decay_shift", "min_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decay_shift > 63:
+            raise ValueError(f"decay_shift must be in 1..63, got {self.decay_shift}")
         if self.ghost_factor < 0:
             raise ValueError(f"ghost_factor must be >= 0, got {self.ghost_factor}")
+        if self.ghost_bits not in (8, 16, 32):
+            raise ValueError(f"ghost_bits must be 8, 16 or 32, got {self.ghost_bits}")
+        if not 1 <= self.ghost_win_bits <= 16:
+            raise ValueError(f"ghost_win_bits must be in 1..16, got {self.ghost_win_bits}")
+        if self.fp_bits < 1:
+            raise ValueError(f"ghost_bits={self.ghost_bits} leave no room for a fingerprint "
+                             f"beside {self.cls_bits} bits of class and {self.ghost_win_bits} "
+                             f"of window")
+
+    @property
+    def cls_bits(self) -> int:
+        """Bits of a class in a ghost entry."""
+        return (self.classes - 1).bit_length()
+
+    @property
+    def fp_bits(self) -> int:
+        """Bits of a ghost entry's fingerprint: what the class and window leave."""
+        return self.ghost_bits - self.cls_bits - self.ghost_win_bits
 
 
 ONE = 1 << 16  # one event in the tables' fixed point
-_WIN_MASK = 0xFFF  # a ghost entry keeps its window mod 4096
 _OLD = -1  # the bucket key of a class's old list (ages past the horizon)
 
 
@@ -277,33 +300,47 @@ def splitmix64(x: int) -> int:
 
 
 class Ghost:
-    """Recently evicted keys with their class and last-use window, in 4 bytes each.
+    """Recently evicted keys with their class and last-use window, ``bits`` bits
+    each: a fingerprint, ``cls_bits`` of class, ``win_bits`` of window.
 
     Set-associative: a full set overwrites its oldest entry, which is handed
     back to be counted as an end.
     """
 
-    def __init__(self, entries: int, ways: int):
+    def __init__(self, entries: int, ways: int, bits: int = 32, win_bits: int = 12,
+                 cls_bits: int = 2):
         self.ways = ways
         self.sets = max(1, -(-entries // ways)) if entries else 0
         self.table = [0] * (self.sets * ways)
         self.size = 0  # entries held (for status and metrics)
+        self.bits, self.win_bits, self.cls_bits = bits, win_bits, cls_bits
+        self.fp_bits = bits - cls_bits - win_bits
+        self.win_mask = (1 << win_bits) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.table) * self.bits // 8
 
     def _locate(self, key: int) -> tuple[int, int]:
         h = splitmix64(key & MASK64)
-        return ((h >> 32) % self.sets) * self.ways, (h & 0xFFFF) or 1
+        return ((h >> 32) % self.sets) * self.ways, (h & ((1 << self.fp_bits) - 1)) or 1
+
+    def _unpack(self, e: int) -> int:
+        return (e >> self.win_bits) & ((1 << self.cls_bits) - 1)
 
     def take(self, key: int) -> tuple[int, int] | None:
-        """``(cls, win & 0xFFF)`` of ``key``'s entry, which is cleared; None if absent."""
+        """``(cls, win mod 2**win_bits)`` of ``key``'s entry, which is cleared; None
+        if absent."""
         if not self.sets:
             return None
         base, fp = self._locate(key)
+        shift = self.cls_bits + self.win_bits
         for i in range(base, base + self.ways):
             e = self.table[i]
-            if e >> 16 == fp:
+            if e >> shift == fp:
                 self.table[i] = 0
                 self.size -= 1
-                return (e >> 12) & 0xF, e & _WIN_MASK
+                return self._unpack(e), e & self.win_mask
         return None
 
     def put(self, key: int, cls: int, win: int, cur_win: int) -> tuple[int, int] | None:
@@ -312,7 +349,7 @@ class Ghost:
         if not self.sets:
             return None
         base, fp = self._locate(key)
-        entry = fp << 16 | cls << 12 | (win & _WIN_MASK)
+        entry = fp << (self.cls_bits + self.win_bits) | cls << self.win_bits | (win & self.win_mask)
         oldest, oldest_age = base, -1
         for i in range(base, base + self.ways):
             e = self.table[i]
@@ -320,12 +357,12 @@ class Ghost:
                 self.table[i] = entry
                 self.size += 1
                 return None
-            age = (cur_win - (e & _WIN_MASK)) & _WIN_MASK
+            age = (cur_win - (e & self.win_mask)) & self.win_mask
             if age > oldest_age:
                 oldest, oldest_age = i, age
         e = self.table[oldest]
         self.table[oldest] = entry
-        return (e >> 12) & 0xF, oldest_age
+        return self._unpack(e), oldest_age
 
 
 class AdaptivePolicy:
@@ -335,8 +372,9 @@ class AdaptivePolicy:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 block, got {capacity}")
         p = self.params = params or AdaptiveParams()
-        self.window = max(1, capacity // p.windows_per_capacity)
-        self.ghost = Ghost(p.ghost_factor * capacity, p.ways)
+        self.window = max(p.min_window, capacity // p.windows_per_capacity)
+        self.ghost = Ghost(p.ghost_factor * capacity, p.ways, p.ghost_bits, p.ghost_win_bits,
+                           p.cls_bits)
         self.tick = 0
         self.cur_win = 0
         self.cls: dict[int, int] = {}  # per block (node fields in C): class,
@@ -361,7 +399,7 @@ class AdaptivePolicy:
         else:
             c, w = back
             self.ghost_hits += 1
-            self._count(self.hits, c, (self.cur_win - w) & _WIN_MASK)
+            self._count(self.hits, c, (self.cur_win - w) & self.ghost.win_mask)
             self.cls[key] = min(c + 1, self.params.classes - 1)
         self.stamp[key] = self.tick
 

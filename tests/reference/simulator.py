@@ -64,11 +64,26 @@ def block_key(parent: int, block: Sequence[int]) -> int:
     return hash((parent, tuple(block))) & MASK64
 
 
-def to_block_requests(requests: Iterable, block_size: int,
-                      remember: int = 4096) -> list[BlockRequest]:
+def node_keys(namespace: bytes, tokens: Sequence[int], block_size: int) -> list[int]:
+    """The keys a ``CacheManager`` knows the full blocks of ``tokens`` by: the first
+    8 bytes of each block's hash (chained from ``namespace``), little-endian, as
+    the native core hands them to its eviction policy."""
+    from kvcached.core.hashing import block_hashes
+    return [int.from_bytes(h[:8], "little") for h in block_hashes(namespace, tokens, block_size)]
+
+
+def to_block_requests(requests: Iterable, block_size: int, remember: int = 4096,
+                      namespace: bytes | None = None) -> list[BlockRequest]:
     """``ChatRequest``s as block chains. A conversation's turn extends its previous
     turn's prompt + output, so the keys of that part are reused (checked), not
-    rehashed; ``remember`` conversations are kept for that."""
+    rehashed; ``remember`` conversations are kept for that. With ``namespace``
+    (the manager's: ``namespace_hash(model_id, weight_version, salt)``) the keys
+    are the manager's own (``node_keys``), so that a policy that hashes keys
+    (the adaptive one's ghost) decides exactly as inside a GPU-only manager."""
+    if namespace is not None:
+        return [BlockRequest(node_keys(namespace, r.prompt + r.output, block_size),
+                             len(r.prompt), len(r.prompt) + len(r.output), block_size)
+                for r in requests]
     memo: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()
     out = []
     for req in requests:

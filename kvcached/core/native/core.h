@@ -7,9 +7,10 @@
  * Index 0 is the root, a sentinel that "holds" every tier and is never
  * evicted.
  *
- * Files: table.c (nodes, children by hash, record memory), pool.c, lru.c (heaps), hashing.c
- * (chained hashes and the memo), ops.c (every state transition), module.c (the
- * Python types). The transitions follow tests/reference/manager.py line by
+ * Files: table.c (nodes, children by hash, record memory), pool.c, lru.c (heaps, and
+ * the leaf-set calls that pick the heap or the policy), policy.c (the adaptive
+ * eviction policy), hashing.c (chained hashes and the memo), ops.c (every state
+ * transition), module.c (the Python types). The transitions follow tests/reference/manager.py line by
  * line; the differential tests hold the two to the same results. */
 #ifndef KVC_CORE_H
 #define KVC_CORE_H
@@ -23,7 +24,7 @@
 
 /* Tier states (kvcached.core.types.Tier has the same numbers). */
 enum { S_GPU = 0, S_SWAP_OUT = 1, S_CPU = 2, S_SWAP_IN = 3, S_STORAGE = 4 };
-/* The two local tiers, as indexes of core.pools / core.lru / node.heap_pos. */
+/* The two local tiers, as indexes of core.pools / core.lru / core.pol. */
 enum { T_GPU = 0, T_CPU = 1 };
 
 /* A wide node's children by hash (table.c): 32 bits of the child's hash
@@ -50,7 +51,7 @@ typedef struct __attribute__((aligned(64))) {
     int32_t n_children;
     int32_t n_gpu_children; /* children in GPU or SWAP_IN */
     int32_t n_cpu_children; /* children holding a CPU block */
-    int32_t heap_pos[2];    /* place in each tier's leaf heap, NIL when not listed */
+    uint8_t spare[8];
     /* children: a doubly linked sibling list, or (a wide node) kids */
     int32_t first_child, next_sib;
     uint64_t last_access;
@@ -71,9 +72,13 @@ typedef struct __attribute__((aligned(64))) {
 
 _Static_assert(sizeof(node_t) == 128, "node_t is two cache lines");
 
-/* Memo records by size class (table.c): free lists over 64 KiB chunks. */
+/* Memo records by size class (table.c): 64 KiB chunks carved into slots, the
+ * free ones on a stack per class (an array: freeing a record never touches
+ * its memory, a cache miss per evicted block when the free list ran through
+ * the records). */
 typedef struct {
-    void *free[6];
+    void **free[6];
+    size_t n_free[6], cap_free[6];
     void **chunks;
     size_t n_chunks, cap_chunks;
 } recpool_t;
@@ -95,14 +100,65 @@ typedef struct {
     int32_t node;
 } heap_entry;
 
-/* The evictable leaves of one tier, a 4-ary min-heap whose nodes know their
- * position: add, remove and pop are O(log n) and the order is the key's. */
+/* The evictable leaves of one tier, a 4-ary min-heap that knows where each
+ * node is (pos, by node slot: NIL when not listed): add, remove and pop are
+ * O(log n) and the order is the key's. The positions are an array of their
+ * own, not a node field: a pop moves ~log4(n) entries, and writing each one's
+ * position into its node was a cache miss per level at a million blocks. */
 typedef struct {
     heap_entry *a;
     int32_t size, cap;
+    int32_t *pos;
+    int32_t pos_cap;
     uint64_t seq;
     int tier;
 } leafheap_t;
+
+/* The adaptive eviction policy (policy.c; the algorithm is the docstring of
+ * tests/reference/policy.py, which it follows step by step). One instance per
+ * tier, over entries indexed like the nodes; the core passes node indexes
+ * and, for the ghost, each node's key (the first 8 bytes of its hash,
+ * little-endian). Its per-entry state lives in its own array (`pnode`, 16
+ * bytes per node slot per tier), allocated only under this policy: node_t
+ * stays two cache lines and LRU pays nothing for it. */
+typedef struct {
+    int32_t classes, bins, windows_per_capacity, ghost_factor, ways, decay_shift;
+    int32_t ghost_bits, ghost_win_bits; /* a ghost entry's width, and its window's bits */
+    int32_t min_window;                 /* the fewest inserts per window */
+} pol_params_t;
+
+typedef struct {
+    int32_t prev, next; /* links in its leaf list (NIL at the ends) */
+    uint64_t meta;      /* stamp (bits 0-55), class (56-59), listed (62), tracked (63) */
+} pnode_t;
+
+typedef struct {
+    int32_t head, tail; /* oldest first */
+} plist_t;
+
+typedef struct {
+    pol_params_t prm;
+    uint64_t window;        /* ticks per age bin */
+    uint64_t tick, cur_win; /* on_insert calls; tick / window */
+    uint64_t *hits, *ends;  /* [classes][bins], fixed point (ONE = one event) */
+    uint64_t *density;      /* [classes][bins]: expected hits per lifetime, << 32 */
+    uint16_t *ranks;        /* rank -> c * bins + b, lowest density first */
+    uint16_t *rank_of;      /* c * bins + b -> rank */
+    uint64_t *keys;         /* the ranking as sort keys, kept for the next */
+    int32_t n_ranks, cursor; /* every rank below cursor has an empty list */
+    plist_t *lists;         /* [classes][bins]: a ring of bins - 1 windows, then old */
+    void *ghost;            /* sets x ways entries of ghost_bits bits; 0 = empty */
+    uint64_t sets;
+    int32_t cls_bits, fp_bits;
+    int64_t ghost_size;     /* entries held */
+    int64_t ghost_hits;     /* inserts the ghost remembered */
+    int64_t hits_seen;      /* on_hit calls */
+    int64_t n_leaves;
+    pnode_t *pnode;         /* per entry */
+    int32_t cap;
+} policy_t;
+
+enum { POLICY_LRU = 0, POLICY_ADAPTIVE = 1 };
 
 /* Eviction counters, in the order of EVICTION_NAMES (module.c). */
 enum { EV_GPU_DROPPED, EV_CPU_DROPPED, EV_GPU_TO_CPU, EV_GPU_TO_CPU_BACKUP, EV_COUNT };
@@ -122,7 +178,13 @@ typedef struct {
     int32_t num_nodes;      /* live nodes, the root excluded */
     recpool_t records;
     pool_t pools[2];
-    leafheap_t lru[2];
+    leafheap_t lru[2];      /* LRU's leaves (empty under another policy) */
+    int policy;             /* POLICY_LRU or POLICY_ADAPTIVE */
+    policy_t *pol[2];       /* the adaptive policy of each tier (NULL: LRU, or no blocks) */
+    pol_params_t pol_params;
+    int pol_log_on;         /* tests: record every policy call (pol_log) */
+    int64_t *pol_log;       /* (tier << 8 | op, key or result) pairs */
+    int32_t n_pol_log, pol_log_cap;
     uint64_t clock;
     int32_t n_gpu_idle;     /* nodes in state GPU with ref 0 */
     int32_t block_size;
@@ -169,7 +231,7 @@ typedef struct {
 
 /* table.c */
 int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo,
-              int external);
+              int external, int policy, const pol_params_t *params);
 void core_free(core_t *c);
 int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]); /* NIL: no memory */
 void node_release(core_t *c, int32_t i);    /* unlink from parent and indexes, free the slot */
@@ -202,6 +264,7 @@ enum { EVICT_DONE = 0, EVICT_FLUSH = 1, EVICT_EMPTY = 2 };
 int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_gpu,
                int32_t *gpu_ids);
 int core_undo_match(core_t *c, request_t *r);
+void core_hit(core_t *c, request_t *r);
 void core_unref_path(core_t *c, request_t *r);
 int core_evict(core_t *c, int32_t count, int swap, int32_t *freed);
 void core_land_swap_out(core_t *c);
@@ -230,6 +293,8 @@ int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit);
 
 /* lru.c */
 int heap_init(leafheap_t *h, int tier);
+int heap_reserve(leafheap_t *h, int32_t n); /* positions for node slots 0 .. n-1 */
+static inline int32_t heap_pos(const leafheap_t *h, int32_t node) { return h->pos[node]; }
 void heap_free_all(leafheap_t *h);
 int heap_add(core_t *c, leafheap_t *h, int32_t node);  /* insert or re-key; -1: no memory */
 int heap_insert_key(core_t *c, leafheap_t *h, int32_t node, uint64_t hi, uint64_t lo);
@@ -237,5 +302,53 @@ void heap_remove(core_t *c, leafheap_t *h, int32_t node);
 int32_t heap_pop(core_t *c, leafheap_t *h);            /* NIL when empty */
 int heap_peek_key(const leafheap_t *h, uint64_t *hi, uint64_t *lo); /* 0 when empty */
 void heap_key_of(core_t *c, leafheap_t *h, int32_t node, uint64_t *hi, uint64_t *lo);
+
+/* policy.c */
+void pol_default_params(pol_params_t *p);
+const char *pol_check_params(const pol_params_t *p); /* NULL when valid, else what is wrong */
+int pol_init(policy_t *p, int64_t capacity, const pol_params_t *params); /* -1: no memory */
+void pol_free(policy_t *p);
+int pol_reserve(policy_t *p, int32_t n); /* room for entries 0 .. n-1 (new ones zeroed) */
+void pol_on_insert(policy_t *p, int32_t i, uint64_t key);
+void pol_on_hit(policy_t *p, int32_t i);
+void pol_add_leaf(policy_t *p, int32_t i);
+void pol_remove_leaf(policy_t *p, int32_t i);
+int32_t pol_victim(policy_t *p); /* NIL when no leaf */
+void pol_on_evict(policy_t *p, int32_t i, uint64_t key);
+int64_t pol_order(const policy_t *p, int32_t *out); /* the leaves in eviction order */
+int64_t pol_ghost_slots(const policy_t *p);
+int64_t pol_ghost_bytes(const policy_t *p);
+#define PN_LISTED (1ULL << 62)
+#define PN_TRACKED (1ULL << 63)
+static inline int pol_listed(const policy_t *p, int32_t i) {
+    return (p->pnode[i].meta & PN_LISTED) != 0;
+}
+static inline int pol_tracked(const policy_t *p, int32_t i) {
+    return (p->pnode[i].meta & PN_TRACKED) != 0;
+}
+
+/* The leaves of tier t, whichever policy keeps them (lru.c). */
+int leaves_add(core_t *c, int t, int32_t node);    /* list it (LRU: or re-key); -1: no memory */
+void leaves_remove(core_t *c, int t, int32_t node);
+int32_t leaves_pop(core_t *c, int t);              /* the next victim, unlisted; NIL: none */
+int32_t leaves_push_pop(core_t *c, int t, int32_t leaf); /* add(leaf) then pop() */
+int32_t leaves_count(const core_t *c, int t);
+int leaves_listed(const core_t *c, int t, int32_t node);
+/* A node's copies changed: tell each tier's policy about one it gained
+ * (on_insert) or lost (unlisted, then on_evict). No-op under LRU. */
+void pol_sync_slow(core_t *c, int32_t node);
+static inline void pol_sync(core_t *c, int32_t node) {
+    if (c->policy != POLICY_LRU) pol_sync_slow(c, node);
+}
+/* The key a node is known by in the policy's ghost. */
+static inline uint64_t node_key(const core_t *c, int32_t i) {
+    const uint8_t *h = c->nodes[i].hash;
+    uint64_t k = 0;
+    for (int b = 7; b >= 0; b--) k = (k << 8) | h[b];
+    return k;
+}
+/* The policy call log (tests): ops, as in tests/reference/policy.py Recorder. */
+enum { PL_INSERT = 1, PL_HIT, PL_ADD, PL_REMOVE, PL_VICTIM, PL_EVICT };
+void pol_log(core_t *c, int t, int op, uint64_t key);
 
 #endif /* KVC_CORE_H */

@@ -25,7 +25,7 @@
 #include "hashing.h"
 
 typedef struct {
-    PyTypeObject *core_type, *request_type;
+    PyTypeObject *core_type, *request_type, *policy_type;
 } module_state;
 
 typedef struct {
@@ -376,6 +376,68 @@ static int hash_blocks(core_t *c, request_t *r, const int64_t *ids, int32_t stop
     return 0;
 }
 
+/* -------------------------------------------------------- policy params */
+
+static const char *POLICY_NAMES[] = {"lru", "adaptive"};
+static const char *PARAM_NAMES[] = {"classes", "bins", "windows_per_capacity", "ghost_factor",
+                                    "ways", "decay_shift", "ghost_bits", "ghost_win_bits",
+                                    "min_window"};
+static const size_t PARAM_OFFSETS[] = {
+    offsetof(pol_params_t, classes), offsetof(pol_params_t, bins),
+    offsetof(pol_params_t, windows_per_capacity), offsetof(pol_params_t, ghost_factor),
+    offsetof(pol_params_t, ways), offsetof(pol_params_t, decay_shift),
+    offsetof(pol_params_t, ghost_bits), offsetof(pol_params_t, ghost_win_bits),
+    offsetof(pol_params_t, min_window)};
+#define N_PARAMS ((int)(sizeof PARAM_OFFSETS / sizeof PARAM_OFFSETS[0]))
+
+static int32_t *param_at(pol_params_t *p, int k) {
+    return (int32_t *)((char *)p + PARAM_OFFSETS[k]);
+}
+
+/* The adaptive policy's constants: the defaults, overridden by a dict's
+ * (tests/reference/policy.py AdaptiveParams has the same names). */
+static int params_arg(PyObject *d, pol_params_t *out) {
+    pol_default_params(out);
+    if (d != NULL && d != Py_None) {
+        if (!PyDict_Check(d)) {
+            PyErr_SetString(PyExc_TypeError, "policy_params must be a dict");
+            return -1;
+        }
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(d, &pos, &key, &value)) {
+            const char *name = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+            if (name == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "policy_params keys are names");
+                return -1;
+            }
+            int k = 0;
+            while (k < N_PARAMS && strcmp(name, PARAM_NAMES[k]) != 0) k++;
+            if (k == N_PARAMS) {
+                PyErr_Format(PyExc_ValueError, "unknown policy parameter %R", key);
+                return -1;
+            }
+            if (as_i32(value, name, param_at(out, k)) < 0) return -1;
+        }
+    }
+    const char *bad = pol_check_params(out);
+    if (bad != NULL) {
+        PyErr_SetString(PyExc_ValueError, bad);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *params_dict(const pol_params_t *p) {
+    PyObject *d = PyDict_New();
+    for (int k = 0; d != NULL && k < N_PARAMS; k++) {
+        PyObject *v = PyLong_FromLong(*param_at((pol_params_t *)p, k));
+        if (v == NULL || PyDict_SetItemString(d, PARAM_NAMES[k], v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
 /* ------------------------------------------------------------------- Core */
 
 static void core_dealloc(PyObject *self) {
@@ -387,10 +449,23 @@ static void core_dealloc(PyObject *self) {
 }
 
 static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"gpu_blocks", "cpu_blocks", "block_size", "memo", "external", NULL};
-    int gpu, cpu, bs, memo = 1, external = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii|pp", kw, &gpu, &cpu, &bs, &memo, &external))
+    static char *kw[] = {"gpu_blocks", "cpu_blocks", "block_size", "memo", "external", "policy",
+                         "policy_params", NULL};
+    int gpu, cpu, bs, memo = 1, external = 0, policy = -1;
+    const char *policy_name = "lru";
+    PyObject *params_obj = NULL;
+    pol_params_t params;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii|ppsO", kw, &gpu, &cpu, &bs, &memo, &external,
+                                     &policy_name, &params_obj))
         return NULL;
+    for (int k = 0; k < 2; k++) {
+        if (strcmp(policy_name, POLICY_NAMES[k]) == 0) policy = k;
+    }
+    if (policy < 0) {
+        PyErr_Format(PyExc_ValueError, "policy must be 'lru' or 'adaptive', got '%s'", policy_name);
+        return NULL;
+    }
+    if (params_arg(params_obj, &params) < 0) return NULL;
     if (external && gpu != 0) {
         PyErr_Format(PyExc_ValueError, "an external GPU tier has no GPU pool: gpu_blocks must be 0, "
                      "got %d", gpu);
@@ -405,7 +480,7 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
     CoreObject *self = (CoreObject *)alloc(type, 0);
     if (self == NULL) return NULL;
-    if (core_init(&self->c, gpu, cpu, bs, memo, external) < 0) {
+    if (core_init(&self->c, gpu, cpu, bs, memo, external, policy, &params) < 0) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -559,6 +634,7 @@ static PyObject *Core_match(PyObject *self, PyObject *const *args, Py_ssize_t na
         Py_RETURN_NONE;                                                       \
     }
 REQ_METHOD(undo_match, core_undo_match)
+REQ_METHOD(hit, core_hit)
 REQ_METHOD(unref_path, core_unref_path)
 
 static PyObject *Core_tick(PyObject *self, PyObject *unused) {
@@ -1099,6 +1175,96 @@ static PyObject *Core_counters(PyObject *self, PyObject *unused) {
                          (long long)c->blocks_hashed);
 }
 
+/* One tier's adaptive policy, as numbers (status, metrics, tests). */
+static PyObject *policy_tier_stats(const policy_t *p) {
+    return Py_BuildValue(
+        "{sLsLsLsLsLsLsLsKsKsL}", "ghost_entries", (long long)p->ghost_size, "ghost_slots",
+        (long long)pol_ghost_slots(p), "ghost_bytes", (long long)pol_ghost_bytes(p), "ghost_hits",
+        (long long)p->ghost_hits, "inserts", (long long)p->tick, "hits", (long long)p->hits_seen,
+        "leaves", (long long)p->n_leaves, "node_bytes", (long long)(sizeof(pnode_t) * (size_t)p->cap),
+        "window", (unsigned long long)p->window, "cur_win", (unsigned long long)p->cur_win,
+        "table_bytes",
+        (long long)((sizeof(uint64_t) * 3 + sizeof(uint16_t) * 2 + sizeof(plist_t)) *
+                    (size_t)p->n_ranks));
+}
+
+/* {"policy": name, "params": {...} (adaptive), "gpu"/"cpu": per tier (adaptive)}. */
+static PyObject *Core_policy_stats(PyObject *self, PyObject *unused) {
+    core_t *c = CORE(self);
+    PyObject *out = Py_BuildValue("{ss}", "policy", POLICY_NAMES[c->policy]);
+    if (out == NULL || c->policy == POLICY_LRU) return out;
+    PyObject *prm = params_dict(&c->pol_params);
+    if (prm == NULL || PyDict_SetItemString(out, "params", prm) < 0) goto fail;
+    Py_CLEAR(prm);
+    for (int t = 0; t < 2; t++) {
+        if (c->pol[t] == NULL) continue;
+        PyObject *d = policy_tier_stats(c->pol[t]);
+        int bad = d == NULL || PyDict_SetItemString(out, TIER_NAMES[t], d) < 0;
+        Py_XDECREF(d);
+        if (bad) goto fail;
+    }
+    return out;
+fail:
+    Py_XDECREF(prm);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* A node's state in a tier's adaptive policy: (class, stamp, listed), or None
+ * when the policy keeps none for it (tests). */
+static PyObject *Core_policy_node(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    core_t *c = CORE(self);
+    int tier;
+    int32_t i;
+    if (nargs != 2 || tier_arg(args[0], &tier) < 0 || as_i32(args[1], "node", &i) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "policy_node(tier, node)");
+        return NULL;
+    }
+    if (i < 1 || i >= c->n_slots || !N(c, i)->live) {
+        PyErr_Format(PyExc_ValueError, "no node %d", (int)i);
+        return NULL;
+    }
+    const policy_t *p = c->pol[tier];
+    if (p == NULL || !pol_tracked(p, i)) Py_RETURN_NONE;
+    uint64_t meta = p->pnode[i].meta;
+    return Py_BuildValue("iKO", (int)((meta >> 56) & 0xF),
+                         (unsigned long long)(meta & ((1ULL << 56) - 1)),
+                         pol_listed(p, i) ? Py_True : Py_False);
+}
+
+static PyObject *Core_set_policy_log(PyObject *self, PyObject *on) {
+    int t = PyObject_IsTrue(on);
+    if (t < 0) return NULL;
+    CORE(self)->pol_log_on = t;
+    Py_RETURN_NONE;
+}
+
+static const char *PL_NAMES[] = {"", "on_insert", "on_hit", "add_leaf", "remove_leaf", "victim",
+                                 "on_evict"};
+
+/* The policy calls since the last drain: [(tier, method, key)]; a victim()
+ * that found none has key None. Tiers: 0 gpu, 1 cpu. */
+static PyObject *Core_drain_policy_log(PyObject *self, PyObject *unused) {
+    core_t *c = CORE(self);
+    PyObject *out = PyList_New(c->n_pol_log / 2);
+    if (out == NULL) return NULL;
+    for (int32_t k = 0; k < c->n_pol_log / 2; k++) {
+        int64_t head = c->pol_log[2 * k];
+        int op = (int)(head & 0xFF), none = (head & 0x10000) != 0;
+        PyObject *key = none ? Py_NewRef(Py_None)
+                             : PyLong_FromUnsignedLongLong((uint64_t)c->pol_log[2 * k + 1]);
+        PyObject *t = key ? Py_BuildValue("isN", (int)((head >> 8) & 0xFF), PL_NAMES[op], key)
+                          : NULL;
+        if (t == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SetItem(out, k, t);
+    }
+    c->n_pol_log = 0;
+    return out;
+}
+
 static PyObject *Core_set_events(PyObject *self, PyObject *on) {
     int t = PyObject_IsTrue(on);
     if (t < 0) return NULL;
@@ -1143,7 +1309,23 @@ static int by_key(const void *a, const void *b) {
     return x->lo < y->lo ? -1 : x->lo > y->lo;
 }
 
-/* A heap's nodes in the order eviction would take them. */
+/* A tier's leaves in the order eviction would take them. */
+static PyObject *heap_order(const leafheap_t *h);
+static PyObject *leaves_order(const core_t *c, int t) {
+    const policy_t *p = c->pol[t];
+    if (p == NULL) return heap_order(&c->lru[t]);
+    int32_t *order = malloc(sizeof(int32_t) * (size_t)(p->n_leaves ? p->n_leaves : 1));
+    if (order == NULL) return PyErr_NoMemory();
+    int64_t n = pol_order(p, order);
+    PyObject *out = n == p->n_leaves ? list_of(order, (Py_ssize_t)n) : NULL;
+    if (n != p->n_leaves) {
+        PyErr_Format(PyExc_RuntimeError, "the policy counts %lld leaves but lists %lld",
+                     (long long)p->n_leaves, (long long)n);
+    }
+    free(order);
+    return out;
+}
+
 static PyObject *heap_order(const leafheap_t *h) {
     heap_entry *copy = malloc(sizeof(heap_entry) * (size_t)(h->size ? h->size : 1));
     if (copy == NULL) return PyErr_NoMemory();
@@ -1162,6 +1344,21 @@ static PyObject *pool_ids(const pool_t *p) {
         int32_t pos = p->head + k;
         if (pos >= p->num_blocks) pos -= p->num_blocks;
         PyList_SetItem(out, k, PyLong_FromLong(p->ring[pos]));
+    }
+    return out;
+}
+
+/* The nodes a tier's adaptive policy tracks (holds state for), by slot:
+ * the invariants check they are exactly the nodes holding the tier's copy.
+ * Empty under LRU. */
+static PyObject *tracked_nodes(const core_t *c, int t) {
+    PyObject *out = PyList_New(0);
+    const policy_t *p = c->pol[t];
+    for (int32_t i = 1; out != NULL && p != NULL && i < c->n_slots; i++) {
+        if (!pol_tracked(p, i)) continue;
+        PyObject *v = PyLong_FromLong(i);
+        if (v == NULL || PyList_Append(out, v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
     }
     return out;
 }
@@ -1198,8 +1395,8 @@ static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
         }
     }
     free(stack);
-    return Py_BuildValue("{sNsNsNsNsNsNsisisisKsisisi}", "nodes", nodes, "gpu_lru",
-                         heap_order(&c->lru[T_GPU]), "cpu_lru", heap_order(&c->lru[T_CPU]),
+    return Py_BuildValue("{sNsNsNsNsNsNsisisisKsisisisssNsN}", "nodes", nodes, "gpu_lru",
+                         leaves_order(c, T_GPU), "cpu_lru", leaves_order(c, T_CPU),
                          "gpu_free", pool_ids(&c->pools[T_GPU]), "cpu_free",
                          pool_ids(&c->pools[T_CPU]), "root_children",
                          Py_BuildValue("(ii)", (int)N(c, ROOT)->n_gpu_children,
@@ -1208,7 +1405,9 @@ static PyObject *Core_snapshot(PyObject *self, PyObject *unused) {
                          "gpu_blocks", (int)c->pools[T_GPU].num_blocks, "clock",
                          (unsigned long long)c->clock, "cpu_blocks",
                          (int)c->pools[T_CPU].num_blocks, "block_size", (int)c->block_size,
-                         "external", c->external);
+                         "external", c->external, "policy", POLICY_NAMES[c->policy],
+                         "gpu_tracked", tracked_nodes(c, T_GPU), "cpu_tracked",
+                         tracked_nodes(c, T_CPU));
 }
 
 /* The node of hash h, or -1 (tests and checks). */
@@ -1230,15 +1429,20 @@ INT_GETTER(cpu_free, c->pools[T_CPU].count)
 INT_GETTER(gpu_idle, c->n_gpu_idle)
 INT_GETTER(num_nodes, c->num_nodes)
 INT_GETTER(clock, c->clock)
-INT_GETTER(gpu_leaves, c->lru[T_GPU].size)
-INT_GETTER(cpu_leaves, c->lru[T_CPU].size)
+INT_GETTER(gpu_leaves, leaves_count(c, T_GPU))
+INT_GETTER(cpu_leaves, leaves_count(c, T_CPU))
 INT_GETTER(batch_size, c->n_batch)
 INT_GETTER(block_size, c->block_size)
 INT_GETTER(gpu_blocks, c->pools[T_GPU].num_blocks)
 INT_GETTER(cpu_blocks, c->pools[T_CPU].num_blocks)
 INT_GETTER(external, c->external)
 
+static PyObject *Core_get_policy(PyObject *self, void *closure) {
+    return PyUnicode_FromString(POLICY_NAMES[CORE(self)->policy]);
+}
+
 static PyGetSetDef core_getset[] = {
+    {"policy", Core_get_policy, NULL, "the eviction policy: 'lru' or 'adaptive'", NULL},
     {"gpu_free", Core_get_gpu_free, NULL, "free GPU blocks", NULL},
     {"cpu_free", Core_get_cpu_free, NULL, "free CPU blocks", NULL},
     {"gpu_idle", Core_get_gpu_idle, NULL, "GPU nodes no request holds (what eviction can free)", NULL},
@@ -1261,6 +1465,9 @@ static PyMethodDef core_methods[] = {
     FAST(match, "match(req, limit, with_cpu=True) -> (n_gpu, n_matched, gpu_ids): reference "
                 "the cached prefix (GPU hits, then CPU hits unless with_cpu is false)"),
     {"undo_match", Core_undo_match, METH_O, "undo_match(req): exactly undo match()"},
+    {"hit", Core_hit, METH_O,
+     "hit(req): the matched path is taken (allocate goes ahead): the policy counts its hits "
+     "(nothing under LRU)"},
     {"unref_path", Core_unref_path, METH_O, "unref_path(req): the request is done with its path"},
     {"tick", Core_tick, METH_NOARGS, "tick(): advance the logical clock"},
     FAST(alloc, "alloc(tier, n) -> list[int]: take n free blocks (ValueError if fewer)"),
@@ -1292,6 +1499,13 @@ static PyMethodDef core_methods[] = {
     {"counters", Core_counters, METH_NOARGS,
      "counters() -> {evictions, dedup_blocks, memo_hits, blocks_hashed}"},
     {"set_events", Core_set_events, METH_O, "set_events(on): record KV events"},
+    {"policy_stats", Core_policy_stats, METH_NOARGS,
+     "policy_stats() -> {policy, params, gpu, cpu}: the eviction policy's state in numbers"},
+    FAST(policy_node, "policy_node(tier, node) -> (class, stamp, listed) | None: tests"),
+    {"set_policy_log", Core_set_policy_log, METH_O,
+     "set_policy_log(on): tests: record every call the core makes on its policies"},
+    {"drain_policy_log", Core_drain_policy_log, METH_NOARGS,
+     "drain_policy_log() -> [(tier, method, key)]: the calls recorded since the last drain"},
     {"drain_events", Core_drain_events, METH_NOARGS, "drain_events() -> [(stored, tier, hash)]"},
     {"snapshot", Core_snapshot, METH_NOARGS, "snapshot() -> dict: everything, as plain data"},
     {"find", Core_find, METH_O, "find(hash) -> node id or -1"},
@@ -1374,6 +1588,297 @@ static PyType_Spec request_spec = {"kvcached.core._core.Request", sizeof(Request
                                    Py_TPFLAGS_DEFAULT, request_slots};
 
 /* ---------------------------------------------------------------- module */
+
+/* ----------------------------------------------------------------- Policy */
+
+/* The adaptive policy alone, keyed by 64-bit block keys as the reference
+ * (tests/reference/policy.py AdaptivePolicy) is: the differential tests replay
+ * the reference's calls into it and compare every victim, and the policy
+ * benchmark's simulator can run it. Entries are slots of the policy; a dict
+ * maps keys to them. */
+typedef struct {
+    PyObject_HEAD
+    policy_t p;
+    int ready;
+    PyObject *slots;   /* key -> slot */
+    uint64_t *keys;    /* slot -> key */
+    int32_t *free_slots;
+    int32_t n_free, n_used, cap;
+} PolicyObject;
+
+#define POL(self) ((PolicyObject *)(self))
+
+static void policy_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PolicyObject *o = POL(self);
+    if (o->ready) pol_free(&o->p);
+    Py_XDECREF(o->slots);
+    free(o->keys);
+    free(o->free_slots);
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *policy_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"capacity", "params", NULL};
+    long long capacity;
+    PyObject *params_obj = NULL;
+    pol_params_t params;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|O", kw, &capacity, &params_obj)) return NULL;
+    if (capacity < 1 || capacity > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "capacity must be >= 1 block, got %lld", capacity);
+        return NULL;
+    }
+    if (params_arg(params_obj, &params) < 0) return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    PolicyObject *o = (PolicyObject *)alloc(type, 0);
+    if (o == NULL) return NULL;
+    o->slots = PyDict_New();
+    if (o->slots == NULL) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    if (pol_init(&o->p, capacity, &params) < 0) {
+        Py_DECREF(o);
+        return PyErr_NoMemory();
+    }
+    o->ready = 1;
+    return (PyObject *)o;
+}
+
+/* The slot of a key the policy holds (-1 with KeyError when it holds none). */
+static int32_t slot_of(PolicyObject *o, PyObject *key) {
+    PyObject *v = PyDict_GetItemWithError(o->slots, key);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "%R is not in the policy", key);
+        return -1;
+    }
+    return (int32_t)PyLong_AsLong(v);
+}
+
+static int key_arg(PyObject *key, uint64_t *out) {
+    *out = PyLong_AsUnsignedLongLong(key);
+    return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *Policy_on_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PolicyObject *o = POL(self);
+    uint64_t key;
+    if (nargs < 1 || nargs > 3 || key_arg(args[0], &key) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "on_insert(key, depth, now)");
+        return NULL;
+    }
+    int has = PyDict_Contains(o->slots, args[0]);
+    if (has != 0) {
+        if (has > 0) PyErr_Format(PyExc_ValueError, "%R is in the policy already", args[0]);
+        return NULL;
+    }
+    int32_t i;
+    if (o->n_free) {
+        i = o->free_slots[--o->n_free];
+    } else {
+        if (o->n_used == o->cap) {
+            int32_t cap = o->cap ? o->cap * 2 : 1024;
+            uint64_t *k = realloc(o->keys, sizeof(uint64_t) * (size_t)cap);
+            if (k == NULL) return PyErr_NoMemory();
+            o->keys = k;
+            int32_t *f = realloc(o->free_slots, sizeof(int32_t) * (size_t)cap);
+            if (f == NULL) return PyErr_NoMemory();
+            o->free_slots = f;
+            o->cap = cap;
+        }
+        if (pol_reserve(&o->p, o->n_used + 1) < 0) return PyErr_NoMemory();
+        i = o->n_used++;
+    }
+    PyObject *v = PyLong_FromLong(i);
+    if (v == NULL || PyDict_SetItem(o->slots, args[0], v) < 0) {
+        Py_XDECREF(v);
+        o->free_slots[o->n_free++] = i;
+        return NULL;
+    }
+    Py_DECREF(v);
+    o->keys[i] = key;
+    pol_on_insert(&o->p, i, key);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Policy_on_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "on_hit(key, now)");
+        return NULL;
+    }
+    int32_t i = slot_of(POL(self), args[0]);
+    if (i < 0) return NULL;
+    pol_on_hit(&POL(self)->p, i);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Policy_add_leaf(PyObject *self, PyObject *key) {
+    int32_t i = slot_of(POL(self), key);
+    if (i < 0) return NULL;
+    if (pol_listed(&POL(self)->p, i)) {
+        PyErr_Format(PyExc_ValueError, "%R is a leaf already", key);
+        return NULL;
+    }
+    pol_add_leaf(&POL(self)->p, i);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Policy_remove_leaf(PyObject *self, PyObject *key) {
+    int32_t i = slot_of(POL(self), key);
+    if (i < 0) return NULL;
+    if (!pol_listed(&POL(self)->p, i)) {
+        PyErr_Format(PyExc_KeyError, "%R is not a leaf", key);
+        return NULL;
+    }
+    pol_remove_leaf(&POL(self)->p, i);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Policy_victim(PyObject *self, PyObject *unused) {
+    int32_t i = pol_victim(&POL(self)->p);
+    if (i == NIL) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(POL(self)->keys[i]);
+}
+
+static PyObject *Policy_on_evict(PyObject *self, PyObject *key) {
+    PolicyObject *o = POL(self);
+    int32_t i = slot_of(o, key);
+    if (i < 0) return NULL;
+    if (pol_listed(&o->p, i)) {
+        PyErr_Format(PyExc_ValueError, "%R evicted while listed as a leaf", key);
+        return NULL;
+    }
+    if (PyDict_DelItem(o->slots, key) < 0) return NULL;
+    pol_on_evict(&o->p, i, o->keys[i]);
+    o->free_slots[o->n_free++] = i;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Policy_leaves(PyObject *self, PyObject *unused) {
+    PolicyObject *o = POL(self);
+    PyObject *out = PySet_New(NULL);
+    int32_t *order = malloc(sizeof(int32_t) * (size_t)(o->p.n_leaves ? o->p.n_leaves : 1));
+    if (out == NULL || order == NULL) {
+        Py_XDECREF(out);
+        free(order);
+        return PyErr_NoMemory();
+    }
+    int64_t n = pol_order(&o->p, order);
+    for (int64_t k = 0; k < n; k++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(o->keys[order[k]]);
+        if (v == NULL || PySet_Add(out, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            free(order);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    free(order);
+    return out;
+}
+
+/* The leaves in the order victim() would take them (nothing changes). */
+static PyObject *Policy_order(PyObject *self, PyObject *unused) {
+    PolicyObject *o = POL(self);
+    int32_t *order = malloc(sizeof(int32_t) * (size_t)(o->p.n_leaves ? o->p.n_leaves : 1));
+    if (order == NULL) return PyErr_NoMemory();
+    int64_t n = pol_order(&o->p, order);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (int64_t k = 0; out != NULL && k < n; k++)
+        PyList_SetItem(out, (Py_ssize_t)k, PyLong_FromUnsignedLongLong(o->keys[order[k]]));
+    free(order);
+    return out;
+}
+
+static PyObject *table_list(const policy_t *p, const uint64_t *t) {
+    PyObject *out = PyList_New(p->prm.classes);
+    for (int32_t c = 0; out != NULL && c < p->prm.classes; c++) {
+        PyObject *row = PyList_New(p->prm.bins);
+        for (int32_t b = 0; row != NULL && b < p->prm.bins; b++)
+            PyList_SetItem(row, b, PyLong_FromUnsignedLongLong(t[c * p->prm.bins + b]));
+        if (row == NULL) Py_CLEAR(out);
+        else PyList_SetItem(out, c, row);
+    }
+    return out;
+}
+
+/* (cls, stamp) of a key (tests). */
+static PyObject *Policy_entry(PyObject *self, PyObject *key) {
+    int32_t i = slot_of(POL(self), key);
+    if (i < 0) return NULL;
+    const pnode_t *n = &POL(self)->p.pnode[i];
+    return Py_BuildValue("iK", (int)((n->meta >> 56) & 0xF),
+                         (unsigned long long)(n->meta & ((1ULL << 56) - 1)));
+}
+
+static PyObject *Policy_tables(PyObject *self, PyObject *unused) {
+    const policy_t *p = &POL(self)->p;
+    return Py_BuildValue("{sNsNsN}", "hits", table_list(p, p->hits), "ends",
+                         table_list(p, p->ends), "density", table_list(p, p->density));
+}
+
+static PyObject *Policy_stats(PyObject *self, PyObject *unused) {
+    return policy_tier_stats(&POL(self)->p);
+}
+
+static PyMethodDef policy_methods[] = {
+    {"on_insert", (PyCFunction)(void (*)(void))Policy_on_insert, METH_FASTCALL,
+     "on_insert(key, depth=0, now=0): the block entered the tier"},
+    {"on_hit", (PyCFunction)(void (*)(void))Policy_on_hit, METH_FASTCALL,
+     "on_hit(key, now=0): a request used the block"},
+    {"add_leaf", Policy_add_leaf, METH_O, "add_leaf(key): the block became an evictable leaf"},
+    {"remove_leaf", Policy_remove_leaf, METH_O, "remove_leaf(key): it stopped being one"},
+    {"victim", Policy_victim, METH_NOARGS, "victim() -> key | None: the next leaf to evict, unlisted"},
+    {"on_evict", Policy_on_evict, METH_O, "on_evict(key): the block left the tier"},
+    {"leaves", Policy_leaves, METH_NOARGS, "leaves() -> set[int]"},
+    {"order", Policy_order, METH_NOARGS, "order() -> list[int]: the leaves in eviction order"},
+    {"entry", Policy_entry, METH_O, "entry(key) -> (cls, stamp)"},
+    {"tables", Policy_tables, METH_NOARGS, "tables() -> {hits, ends, density}: [class][bin]"},
+    {"stats", Policy_stats, METH_NOARGS, "stats() -> dict: ghost size and hits, inserts, ..."},
+    {NULL},
+};
+
+static PyObject *Policy_get_ghost_size(PyObject *self, void *c) {
+    return PyLong_FromLongLong(POL(self)->p.ghost_size);
+}
+static PyObject *Policy_get_ghost_hits(PyObject *self, void *c) {
+    return PyLong_FromLongLong(POL(self)->p.ghost_hits);
+}
+static PyObject *Policy_get_tick(PyObject *self, void *c) {
+    return PyLong_FromUnsignedLongLong(POL(self)->p.tick);
+}
+static PyObject *Policy_get_cur_win(PyObject *self, void *c) {
+    return PyLong_FromUnsignedLongLong(POL(self)->p.cur_win);
+}
+static PyObject *Policy_get_window(PyObject *self, void *c) {
+    return PyLong_FromUnsignedLongLong(POL(self)->p.window);
+}
+
+static PyGetSetDef policy_getset[] = {
+    {"ghost_size", Policy_get_ghost_size, NULL, "entries the ghost holds", NULL},
+    {"ghost_hits", Policy_get_ghost_hits, NULL, "inserts the ghost remembered", NULL},
+    {"tick", Policy_get_tick, NULL, "on_insert calls", NULL},
+    {"cur_win", Policy_get_cur_win, NULL, "the current window (tick // window)", NULL},
+    {"window", Policy_get_window, NULL, "ticks per age bin", NULL},
+    {NULL},
+};
+
+static PyType_Slot policy_slots[] = {
+    {Py_tp_new, policy_new},
+    {Py_tp_dealloc, policy_dealloc},
+    {Py_tp_methods, policy_methods},
+    {Py_tp_getset, policy_getset},
+    {Py_tp_doc, "Policy(capacity, params=None): the adaptive eviction policy alone, by block key "
+                "(tests and the policy benchmark)."},
+    {0, NULL},
+};
+
+static PyType_Spec policy_spec = {"kvcached.core._core.Policy", sizeof(PolicyObject), 0,
+                                  Py_TPFLAGS_DEFAULT, policy_slots};
+
 
 /* chain(parent, tokens, block_size, extra, start, stop) -> list[bytes]: the
  * chained hashes of blocks [start, stop), block start-1's hash being parent. */
@@ -1493,6 +1998,9 @@ static int module_exec(PyObject *mod) {
     if (st->request_type == NULL) return -1;
     if (PyModule_AddObjectRef(mod, "Core", (PyObject *)st->core_type) < 0) return -1;
     if (PyModule_AddObjectRef(mod, "Request", (PyObject *)st->request_type) < 0) return -1;
+    st->policy_type = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &policy_spec, NULL);
+    if (st->policy_type == NULL) return -1;
+    if (PyModule_AddObjectRef(mod, "Policy", (PyObject *)st->policy_type) < 0) return -1;
     if (PyModule_AddIntConstant(mod, "HASH_LEN", HASH_LEN) < 0) return -1;
     return 0;
 }
@@ -1501,6 +2009,7 @@ static int module_traverse(PyObject *mod, visitproc visit, void *arg) {
     module_state *st = PyModule_GetState(mod);
     Py_VISIT(st->core_type);
     Py_VISIT(st->request_type);
+    Py_VISIT(st->policy_type);
     return 0;
 }
 
@@ -1508,6 +2017,7 @@ static int module_clear(PyObject *mod) {
     module_state *st = PyModule_GetState(mod);
     Py_CLEAR(st->core_type);
     Py_CLEAR(st->request_type);
+    Py_CLEAR(st->policy_type);
     return 0;
 }
 

@@ -57,16 +57,28 @@ static void refresh(core_t *c, int32_t i) {
     if (n->parent == NIL) return; /* the root is never evicted */
     int st = n->state;
     if (st == S_GPU && !(n->ref || n->n_gpu_children || n->busy)) {
-        heap_add(c, &c->lru[T_GPU], i);
+        leaves_add(c, T_GPU, i);
     } else {
-        heap_remove(c, &c->lru[T_GPU], i);
+        leaves_remove(c, T_GPU, i);
     }
     if (n->cpu >= 0 && !(n->n_cpu_children || n->busy) &&
         (st == S_GPU || (st == S_CPU && !(n->ref || n->n_gpu_children)))) {
-        heap_add(c, &c->lru[T_CPU], i);
+        leaves_add(c, T_CPU, i);
     } else {
-        heap_remove(c, &c->lru[T_CPU], i);
+        leaves_remove(c, T_CPU, i);
     }
+}
+
+/* A request used node i's copy in tier t (matched it, or a commit or save
+ * found it cached): the tier's adaptive policy counts the hit, the node
+ * leaving the leaf set first (it is referenced now). Nothing under LRU,
+ * whose key (last_access) moves when the request lets go. */
+static inline void pol_hit(core_t *c, int t, int32_t i) {
+    policy_t *p = c->pol[t];
+    if (p == NULL) return;
+    leaves_remove(c, t, i);
+    pol_on_hit(p, i);
+    if (c->pol_log_on) pol_log(c, t, PL_HIT, node_key(c, i));
 }
 
 /* Change a node's state and copies (KEEP leaves one as it is). */
@@ -79,6 +91,7 @@ static void set_state(core_t *c, int32_t i, int state, int32_t gpu, int32_t cpu)
     n->state = (uint8_t)state;
     if (gpu != KEEP) n->gpu = gpu;
     if (cpu != KEEP) n->cpu = cpu;
+    pol_sync(c, i); /* a copy gained or lost: the tiers' policies hear of it first */
     int new_g = state == S_GPU || state == S_SWAP_IN;
     int new_c = n->cpu >= 0;
     PUBLISH(c, i, old_state, old_c);
@@ -97,9 +110,9 @@ static void ref_node(core_t *c, int32_t i) {
     if (++n->ref == 1) { /* referenced nodes leave the GPU heap (a CPU-only one the CPU heap) */
         if (n->state == S_GPU) {
             c->n_gpu_idle--;
-            heap_remove(c, &c->lru[T_GPU], i);
+            leaves_remove(c, T_GPU, i);
         } else if (n->state == S_CPU) {
-            heap_remove(c, &c->lru[T_CPU], i);
+            leaves_remove(c, T_CPU, i);
         }
     }
 }
@@ -212,21 +225,24 @@ static void sort_deepest_first(const core_t *c, int32_t *v, int32_t n) {
 
 /* ------------------------------------------------------------ removing */
 
+/* A node leaves the tree (it holds no block any more; remove_node clears
+ * the CPU copies below without telling the policy: here it hears of them). */
+static void release(core_t *c, int32_t i) {
+    pol_sync(c, i);
+    leaves_remove(c, T_GPU, i);
+    leaves_remove(c, T_CPU, i);
+    node_release(c, i);
+}
+
 /* Unlink `i` and its subtree (BlockTree.remove): no removed node holds a block. */
 static void tree_remove(core_t *c, int32_t i) {
     if (N(c, i)->n_children == 0) {
-        heap_remove(c, &c->lru[T_GPU], i);
-        heap_remove(c, &c->lru[T_CPU], i);
-        node_release(c, i);
+        release(c, i);
         return;
     }
     int32_t *nodes;
     int32_t n = subtree(c, i, &nodes);
-    for (int32_t k = n - 1; k >= 0; k--) { /* children before their parent */
-        heap_remove(c, &c->lru[T_GPU], nodes[k]);
-        heap_remove(c, &c->lru[T_CPU], nodes[k]);
-        node_release(c, nodes[k]);
-    }
+    for (int32_t k = n - 1; k >= 0; k--) release(c, nodes[k]); /* children before their parent */
     free(nodes);
 }
 
@@ -297,15 +313,17 @@ static void drop_gpu(core_t *c, int32_t i) {
  * eviction hot path without a CPU tier). Returns the parent when it just
  * became a GPU leaf, else NIL. */
 static int32_t drop_gpu_leaf(core_t *c, int32_t i) {
-    heap_remove(c, &c->lru[T_GPU], i); /* re-listed when taking a host block dropped a CPU child */
+    leaves_remove(c, T_GPU, i); /* re-listed when taking a host block dropped a CPU child */
     node_t *n = N(c, i);
     pool_put(&c->pools[T_GPU], n->gpu);
     n->gpu = NIL;
     n->state = S_STORAGE;
+    pol_sync(c, i);
     c->n_gpu_idle--;
     PUBLISH(c, i, S_GPU, 0);
     c->evictions[EV_GPU_DROPPED]++;
     int32_t p = n->parent;
+    __builtin_prefetch((const char *)N(c, p) + 64, 1); /* releasing i unlinks it there */
     N(c, p)->n_gpu_children--;
     if (!n->in_storage) {
         if (n->n_children) {
@@ -338,6 +356,7 @@ static void drop_cpu_leaf(core_t *c, int32_t i) {
     int32_t cpu = n->cpu;
     n->cpu = NIL;
     n->state = S_STORAGE;
+    pol_sync(c, i);
     PUBLISH(c, i, S_CPU, 1);
     node_t *p = N(c, n->parent);
     p->n_cpu_children--;
@@ -351,7 +370,7 @@ static void drop_cpu_leaf(core_t *c, int32_t i) {
  * free; NIL when no CPU leaf is evictable either. */
 static int32_t take_cpu_block(core_t *c) {
     if (c->pools[T_CPU].count == 0) {
-        int32_t i = heap_pop(c, &c->lru[T_CPU]);
+        int32_t i = leaves_pop(c, T_CPU);
         if (i == NIL) return NIL;
         if (N(c, i)->state == S_CPU) {
             drop_cpu_leaf(c, i);
@@ -412,7 +431,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_
         node_t *n = N(c, ch);
         if (n->ref == 0) {
             idle++;
-            int32_t pos = n->heap_pos[T_GPU];
+            int32_t pos = heap_pos(&c->lru[T_GPU], ch); /* LRU only: NIL under another policy */
             if (pos != NIL) {
                 r->unlisted[0] = c->lru[T_GPU].a[pos];
                 heap_remove(c, &c->lru[T_GPU], ch);
@@ -428,7 +447,7 @@ int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_
         int32_t ch = walked_child(c, r, node, k);
         if (ch == NIL || N(c, ch)->state != S_CPU) break;
         node_t *n = N(c, ch);
-        int32_t pos = n->heap_pos[T_CPU];
+        int32_t pos = heap_pos(&c->lru[T_CPU], ch);
         if (pos != NIL) {
             r->unlisted[1] = c->lru[T_CPU].a[pos];
             heap_remove(c, &c->lru[T_CPU], ch);
@@ -439,6 +458,24 @@ int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_
     }
     c->n_gpu_idle -= idle;
     return 0;
+}
+
+/* The request's matched path is taken (allocate went ahead): each node's
+ * tier counts a hit, in path order. Under LRU, nothing: core_match unlisted
+ * the leaves already, and the keys move at unref. Under the
+ * adaptive policy core_match leaves the leaves listed (so a refused allocate
+ * changes nothing and undoes nothing) and they are unlisted here. */
+void core_hit(core_t *c, request_t *r) {
+    if (c->policy == POLICY_LRU) return;
+    for (int32_t k = 0; k < r->n_path; k++) {
+        int32_t i = r->path[k];
+        int st = N(c, i)->state;
+        if (st == S_GPU) {
+            pol_hit(c, T_GPU, i);
+        } else if (st == S_CPU) {
+            pol_hit(c, T_CPU, i);
+        }
+    }
 }
 
 /* Exactly undo core_match (allocate refused): the unlisted leaves go back
@@ -488,12 +525,13 @@ void core_unref_path(core_t *c, request_t *r) {
  * host block, or NIL when a backup already holds the bytes. Returns the
  * parent when it just became a GPU leaf, else NIL. */
 static int32_t begin_swap_out(core_t *c, int32_t i, int32_t cpu) {
-    heap_remove(c, &c->lru[T_GPU], i); /* re-listed when taking its host block dropped a CPU child */
+    leaves_remove(c, T_GPU, i); /* re-listed when taking its host block dropped a CPU child */
     node_t *n = N(c, i);
     if (cpu == NIL) {
-        heap_remove(c, &c->lru[T_CPU], i); /* a backup in flight is not evictable */
+        leaves_remove(c, T_CPU, i); /* a backup in flight is not evictable */
     } else {
         n->cpu = cpu;
+        pol_sync(c, i); /* the CPU tier gains a copy */
     }
     n->state = S_SWAP_OUT;
     c->n_gpu_idle--;
@@ -502,25 +540,9 @@ static int32_t begin_swap_out(core_t *c, int32_t i, int32_t cpu) {
     N(c, p)->n_gpu_children--; /* a SWAP_OUT child no longer keeps it on GPU */
     if (cpu != NIL) {
         N(c, p)->n_cpu_children++;
-        heap_remove(c, &c->lru[T_CPU], p); /* no longer a CPU leaf */
+        leaves_remove(c, T_CPU, p); /* no longer a CPU leaf */
     }
     return new_gpu_leaf(c, p) ? p : NIL;
-}
-
-/* add(leaf) then pop(); when the leaf would come straight back out, the heap
- * is not touched (eviction walking up a chain takes this path). */
-static int32_t push_pop(core_t *c, leafheap_t *h, int32_t leaf) {
-    if (leaf == NIL) return heap_pop(c, h);
-    if (N(c, leaf)->heap_pos[h->tier] == NIL) {
-        uint64_t mhi, mlo, hi, lo;
-        if (!heap_peek_key(h, &mhi, &mlo) || N(c, leaf)->last_access < mhi) return leaf;
-        heap_key_of(c, h, leaf, &hi, &lo);
-        if (hi < mhi || (hi == mhi && lo < mlo)) return leaf;
-        heap_insert_key(c, h, leaf, hi, lo);
-    } else {
-        heap_add(c, h, leaf);
-    }
-    return heap_pop(c, h);
 }
 
 /* Free GPU blocks from least recently used leaves until `*freed` reaches
@@ -532,11 +554,10 @@ static int32_t push_pop(core_t *c, leafheap_t *h, int32_t leaf) {
  * this batch's own victims: land the batch, then call again) or EVICT_EMPTY
  * (no GPU leaf: idle blocks are still being written through). */
 int core_evict(core_t *c, int32_t count, int swap, int32_t *freed_io) {
-    leafheap_t *lru = &c->lru[T_GPU];
     int32_t freed = *freed_io, leaf = c->carry_leaf;
     c->carry_leaf = NIL;
     while (freed < count) {
-        int32_t i = push_pop(c, lru, leaf);
+        int32_t i = leaves_push_pop(c, T_GPU, leaf);
         leaf = NIL;
         if (i == NIL) {
             *freed_io = freed;
@@ -562,7 +583,7 @@ int core_evict(core_t *c, int32_t count, int swap, int32_t *freed_io) {
         c->batch_copy[c->n_batch++] = copy;
         freed++;
     }
-    if (leaf != NIL) heap_add(c, lru, leaf);
+    if (leaf != NIL) leaves_add(c, T_GPU, leaf);
     *freed_io = freed;
     return EVICT_DONE;
 }
@@ -575,8 +596,9 @@ void core_land_swap_out(core_t *c) {
         pool_put(&c->pools[T_GPU], n->gpu);
         n->gpu = NIL;
         n->state = S_CPU;
+        pol_sync(c, i); /* the GPU copy is gone */
         if (!(n->n_cpu_children || n->busy || n->ref || n->n_gpu_children))
-            heap_add(c, &c->lru[T_CPU], i); /* a CPU leaf now */
+            leaves_add(c, T_CPU, i); /* a CPU leaf now */
         PUBLISH(c, i, S_SWAP_OUT, 1);
         if (c->batch_copy[k]) {
             c->evictions[EV_GPU_TO_CPU]++;
@@ -613,6 +635,7 @@ void core_plan_swap_in(core_t *c, request_t *r, int32_t start, int32_t count,
         node_t *n = N(c, i);
         n->state = S_SWAP_IN;
         n->gpu = gpu_ids[k];
+        pol_sync(c, i);
         N(c, n->parent)->n_gpu_children++;
         PUBLISH(c, i, S_CPU, 1);
         cpu_ids[k] = n->cpu;
@@ -755,6 +778,7 @@ static int32_t new_gpu_node(core_t *c, request_t *r, int32_t parent, int32_t k, 
     n->ref = 1;
     n->state = S_GPU;
     n->gpu = gpu;
+    pol_sync(c, i);
     N(c, parent)->n_gpu_children++;
     PUBLISH(c, i, S_STORAGE, 0);
     return i;
@@ -790,6 +814,7 @@ int core_insert(core_t *c, request_t *r, int32_t *blocks, int32_t full, const ch
                 c->dedup_blocks++;
             }
             ref_node(c, i);
+            pol_hit(c, T_GPU, i); /* a commit that found it cached used it */
         } else if (N(c, i)->state == S_CPU || N(c, i)->state == S_STORAGE) {
             N(c, i)->ref++; /* adopt our copy: no swap-in needed for it any more */
             set_state(c, i, S_GPU, blocks[k], KEEP);
@@ -939,6 +964,7 @@ int32_t core_ext_save(core_t *c, request_t *r, int32_t upto, int32_t *nodes, int
         int32_t i = child_by_hash(c, parent, h);
         if (i != NIL && N(c, i)->state == S_CPU) {
             ref_node(c, i);
+            pol_hit(c, T_CPU, i); /* the engine used it again */
         } else if (i == NIL || N(c, i)->state == S_STORAGE) {
             int32_t cpu = take_cpu_block(c);
             if (cpu == NIL) break;

@@ -9,8 +9,10 @@
  * that grows with the size of the cache.
  *
  * Memo records are a few hundred bytes each, made and dropped with every
- * cached block; they come from per-size free lists carved out of 64 KiB
- * chunks (a free is a push, an allocation a pop), not from malloc. */
+ * cached block; they come from per-size free stacks of slots carved out of
+ * 64 KiB chunks (a free is a push, an allocation a pop), not from malloc.
+ * The stacks are arrays beside the chunks, so that freeing a record does not
+ * touch it (eviction frees one per block). */
 #include "core.h"
 
 #include <stdlib.h>
@@ -32,7 +34,8 @@ void *rec_alloc(core_t *c, uint32_t len) {
     int k = rec_class(len);
     if (k >= REC_CLASSES) return malloc(len);
     recpool_t *p = &c->records;
-    if (p->free[k] == NULL) { /* carve a new chunk into slots of this class */
+    if (p->n_free[k] == 0) { /* carve a new chunk into slots of this class */
+        size_t size = (size_t)REC_MIN << k, slots = REC_CHUNK / size;
         if (p->n_chunks == p->cap_chunks) {
             size_t cap = p->cap_chunks ? p->cap_chunks * 2 : 16;
             void **grown = realloc(p->chunks, sizeof(void *) * cap);
@@ -40,18 +43,18 @@ void *rec_alloc(core_t *c, uint32_t len) {
             p->chunks = grown;
             p->cap_chunks = cap;
         }
+        /* the stack holds every slot of the class: a free never has to grow it */
+        size_t need = p->cap_free[k] + slots;
+        void **stack = realloc(p->free[k], sizeof(void *) * need);
+        if (stack == NULL) return NULL;
+        p->free[k] = stack;
+        p->cap_free[k] = need;
         char *chunk = malloc(REC_CHUNK);
         if (chunk == NULL) return NULL;
         p->chunks[p->n_chunks++] = chunk;
-        size_t size = (size_t)REC_MIN << k;
-        for (size_t off = 0; off + size <= REC_CHUNK; off += size) {
-            *(void **)(chunk + off) = p->free[k];
-            p->free[k] = chunk + off;
-        }
+        for (size_t s = slots; s-- > 0;) stack[p->n_free[k]++] = chunk + s * size;
     }
-    void *slot = p->free[k];
-    p->free[k] = *(void **)slot;
-    return slot;
+    return p->free[k][--p->n_free[k]];
 }
 
 void rec_free(core_t *c, void *rec, uint32_t len) {
@@ -61,8 +64,7 @@ void rec_free(core_t *c, void *rec, uint32_t len) {
         free(rec);
         return;
     }
-    *(void **)rec = c->records.free[k];
-    c->records.free[k] = rec;
+    c->records.free[k][c->records.n_free[k]++] = rec;
 }
 
 /* ----------------------------------------------------------- children */
@@ -275,7 +277,6 @@ static void node_reset(node_t *n, int32_t parent, int32_t depth, const uint8_t *
     n->parent = parent;
     n->first_child = n->last_child = n->next_sib = n->prev_sib = NIL;
     n->gpu = n->cpu = NIL;
-    n->heap_pos[0] = n->heap_pos[1] = NIL;
     n->state = S_STORAGE;
     n->depth = depth;
     n->live = 1;
@@ -306,6 +307,10 @@ int32_t node_new(core_t *c, int32_t parent, const uint8_t hash[HASH_LEN]) {
             c->free_nodes = free_grown;
             c->cap = cap; /* the free stack never holds more than cap slots */
         }
+        for (int t = 0; t < 2; t++) { /* heap positions and policy entries follow the slots */
+            if (heap_reserve(&c->lru[t], c->n_slots + 1) < 0) return NIL;
+            if (c->pol[t] != NULL && pol_reserve(c->pol[t], c->n_slots + 1) < 0) return NIL;
+        }
         i = c->n_slots++;
     }
     node_reset(N(c, i), parent, N(c, parent)->depth + 1, hash);
@@ -329,8 +334,23 @@ void node_release(core_t *c, int32_t i) {
 }
 
 int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_size, int memo,
-              int external) {
+              int external, int policy, const pol_params_t *params) {
     memset(c, 0, sizeof *c);
+    c->policy = policy;
+    if (policy != POLICY_LRU) { /* one adaptive policy per tier that has blocks */
+        c->pol_params = *params;
+        int32_t blocks[2] = {gpu_blocks, cpu_blocks};
+        for (int t = 0; t < 2; t++) {
+            if (blocks[t] == 0) continue;
+            c->pol[t] = malloc(sizeof(policy_t));
+            if (c->pol[t] == NULL || pol_init(c->pol[t], blocks[t], params) < 0) {
+                free(c->pol[t]);
+                c->pol[t] = NULL;
+                core_free(c);
+                return -1;
+            }
+        }
+    }
     c->cap = 1024;
     c->nodes = node_array(c->cap);
     c->free_nodes = malloc(sizeof(int32_t) * (size_t)c->cap);
@@ -364,6 +384,7 @@ void core_free(core_t *c) {
     }
     for (size_t k = 0; k < c->records.n_chunks; k++) free(c->records.chunks[k]);
     free(c->records.chunks);
+    for (int k = 0; k < REC_CLASSES; k++) free(c->records.free[k]);
     free(c->nodes);
     free(c->free_nodes);
     free(c->batch);
@@ -373,5 +394,11 @@ void core_free(core_t *c) {
     pool_free_all(&c->pools[T_CPU]);
     heap_free_all(&c->lru[T_GPU]);
     heap_free_all(&c->lru[T_CPU]);
+    for (int t = 0; t < 2; t++) {
+        if (c->pol[t] == NULL) continue;
+        pol_free(c->pol[t]);
+        free(c->pol[t]);
+    }
+    free(c->pol_log);
     memset(c, 0, sizeof *c);
 }
