@@ -23,7 +23,12 @@ dominate as it does on real models):
    most half of the others'; its computed share within 5 points of the least.
 3. No reuse. Rounds of unique prompts, in two processes of each mode taken
    in turn: the median round's throughput without and with kvcached
-   (target: at most 5% lost).
+   (target: at most 5% lost). The connector leaves glibc's mmap threshold at
+   32 MiB (``inplace.own_pages_for_large_allocations``), which by itself
+   changes how fast vLLM's CPU build runs; so a third mode runs vLLM without
+   the connector but with that threshold (``MALLOC_MMAP_THRESHOLD_``), and
+   ``no_reuse_connector_overhead`` is kvcached's loss against it.
+   ``--no-reuse-only`` runs just these.
 Every mode must give the same greedy outputs.
 
     python scripts/bench_vllm.py [--quick]
@@ -223,7 +228,7 @@ def child(spec: dict) -> dict:
 
 # ----------------------------------------------------------------- parent
 def run_mode(name: str, model: str, p: dict, connector: dict | None,
-             phases: list[str]) -> dict:
+             phases: list[str], env_extra: dict | None = None) -> dict:
     # The result travels in a file: vLLM's processes share the child's stdout
     # and may write to it at any moment, even mid-line.
     result = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-")) / "result.json"
@@ -231,7 +236,8 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
             "phases": phases, "kv_mb": p["kv_mb"], "result": str(result)}
     t = time.monotonic()
     # vLLM's own progress stays quiet; its warnings and ours reach stderr.
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+           **(env_extra or {})}
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                          stdout=sys.stderr, timeout=3600, env=env)
     if res.returncode or not result.exists():
@@ -262,6 +268,22 @@ def rounds(modes: dict, mode: str) -> list[float]:
     return [r for m in (mode, mode + "2") if m in modes for r in modes[m]["no_reuse"]["rounds"]]
 
 
+# glibc's mmap threshold as the connector leaves it, for vLLM without it
+MALLOC_AS_CONNECTOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+
+
+def no_reuse_summary(modes: dict) -> dict:
+    med = statistics.median
+    kv = med(rounds(modes, "kvcached"))
+    return {"no_reuse_throughput_tok_s": {m: rounds(modes, m)
+                                          for m in ("plain", "plain_malloc", "kvcached")},
+            "no_reuse_throughput_lost": 1 - kv / med(rounds(modes, "plain")),
+            "no_reuse_connector_overhead": 1 - kv / med(rounds(modes, "plain_malloc")),
+            "no_reuse_identical": all(modes[m]["no_reuse"]["outputs"]
+                                      == modes["plain"]["no_reuse"]["outputs"] for m in modes
+                                      if "no_reuse" in modes[m])}
+
+
 def summary(modes: dict, p: dict) -> dict:
     plain, kv, ex, rs = modes["plain"], modes["kvcached"], modes["example"], modes["restart"]
     hit = kv["per_hit"]
@@ -275,8 +297,7 @@ def summary(modes: dict, p: dict) -> dict:
             "restart": rs["restart_hit"]["outputs"] == ref,
             "chat_kvcached": chats["kvcached"]["outputs"] == chats["plain"]["outputs"],
             "chat_example": chats["example"]["outputs"] == chats["plain"]["outputs"],
-            "no_reuse": all(modes[m]["no_reuse"]["outputs"] == plain["no_reuse"]["outputs"]
-                            for m in ("kvcached", "plain2", "kvcached2") if m in modes)}
+            "no_reuse": no_reuse_summary(modes)["no_reuse_identical"]}
     least = chats["kvcached"]["least_computed_tokens"] / chats["kvcached"]["prompt_tokens"]
     got = chats["kvcached"]["computed_tokens"] / chats["kvcached"]["prompt_tokens"]
     return {
@@ -294,16 +315,30 @@ def summary(modes: dict, p: dict) -> dict:
         "chat_ttft_vs_example": chats["kvcached"]["ttft_mean_s"] / chats["example"]["ttft_mean_s"],
         "chat_computed_share": got, "chat_least_computed_share": least,
         "chat_points_above_least": 100 * (got - least),
-        "no_reuse_throughput_tok_s": {m: rounds(modes, m) for m in ("plain", "kvcached")},
-        "no_reuse_throughput_lost": 1 - statistics.median(rounds(modes, "kvcached"))
-        / statistics.median(rounds(modes, "plain")),
+        **{k: v for k, v in no_reuse_summary(modes).items() if k != "no_reuse_identical"},
         "identical_outputs": all(same.values()), "identical": same,
     }
+
+
+def no_reuse_modes(model: str, p: dict, work: Path, cpu_blocks: int, twice: bool) -> dict:
+    """The no-reuse rounds alone: each mode's processes taken in turn."""
+    modes = {}
+    for suffix in ("", "2") if twice else ("",):
+        modes["plain" + suffix] = run_mode("plain" + suffix, model, p, None, ["no_reuse"])
+        modes["kvcached" + suffix] = run_mode("kvcached" + suffix, model, p, kvcached_connector(
+            work / f"run{suffix}", work / f"store{suffix}", cpu_blocks), ["no_reuse"])
+        modes["plain_malloc" + suffix] = run_mode("plain_malloc" + suffix, model, p, None,
+                                                  ["no_reuse"], MALLOC_AS_CONNECTOR)
+    return {**no_reuse_summary(modes),
+            "load_avg_1m_after": {m: r["load_avg_1m_after"] for m, r in modes.items()}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model, few prompts (smoke)")
+    ap.add_argument("--no-reuse-only", action="store_true",
+                    help="only the no-reuse rounds (plain, plain with the connector's "
+                         "malloc setting, kvcached)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -316,6 +351,10 @@ def main() -> None:
         model = make_model(str(work / "model"), p["layers"], p["hidden"])
         cpu_blocks = 4096 if not args.quick else 512
         store = work / "store"
+        if args.no_reuse_only:
+            print(json.dumps({"bench": "vllm_no_reuse", **no_reuse_modes(
+                model, p, work, cpu_blocks, twice=not args.quick)}), flush=True)
+            return
         modes = {
             "plain": run_mode("plain", model, p, None, ["no_reuse", "per_hit", "chat"]),
             "kvcached": run_mode("kvcached", model, p,
@@ -327,6 +366,8 @@ def main() -> None:
                                 ["restart_hit"]),
             "example": run_mode("example", model, p, example_connector(work / "example"),
                                 ["per_hit", "chat"]),
+            "plain_malloc": run_mode("plain_malloc", model, p, None, ["no_reuse"],
+                                     MALLOC_AS_CONNECTOR),
         }
         if not args.quick:
             # A second process of each, in turn: one vLLM process runs up to
@@ -334,6 +375,8 @@ def main() -> None:
             modes["plain2"] = run_mode("plain2", model, p, None, ["no_reuse"])
             modes["kvcached2"] = run_mode("kvcached2", model, p, kvcached_connector(
                 work / "run3", work / "store3", cpu_blocks), ["no_reuse"])
+            modes["plain_malloc2"] = run_mode("plain_malloc2", model, p, None, ["no_reuse"],
+                                              MALLOC_AS_CONNECTOR)
     out = {"bench": "vllm", "quick": bool(args.quick),
            "model": f"random Llama {p['layers']}x{p['hidden']}", **summary(modes, p),
            "load_avg_1m_after": {m: r["load_avg_1m_after"] for m, r in modes.items()}}

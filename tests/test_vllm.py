@@ -236,3 +236,7 @@ def test_bench_vllm_quick():
     chat = out["chat"]
     assert out["chat_points_above_least"] <= 5.0, chat  # the target
     assert chat["kvcached"]["computed_tokens"] <= chat["plain"]["computed_tokens"]
+    # no reuse: against vLLM as shipped, and with the connector's malloc setting
+    assert set(out["no_reuse_throughput_tok_s"]) == {"plain", "plain_malloc", "kvcached"}
+    assert all(out["no_reuse_throughput_tok_s"].values())
+    assert -1 < out["no_reuse_connector_overhead"] < 1
