@@ -51,7 +51,10 @@ def own_pages_for_large_allocations(large: bool = True) -> bool:
     (glibc's mmap threshold); False: back to a threshold of 32 MiB, the most
     glibc's own dynamic one rises to (so that the engine's later allocations
     are served as usual). Returns whether the allocator took it (only glibc
-    has ``mallopt``)."""
+    has ``mallopt``). glibc still serves a large request from a free chunk
+    the heap already holds, so this works in a young process (vLLM's worker
+    allocates its KV cache soon after start); a buffer that lands in the heap
+    anyway is refused by ``share_in_place``."""
     mallopt = getattr(_libc, "mallopt", None)
     if mallopt is None:
         return False
