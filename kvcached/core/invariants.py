@@ -157,6 +157,13 @@ def cpu_evictable(n: NodeView) -> bool:
     return n.state is Tier.CPU and n.ref == 0 and n.n_gpu_children == 0
 
 
+def _extra_missing(snap: CacheSnapshot, expected: set[int], actual: set[int]) -> str:
+    """A few node ids listed but not expected, and expected but not listed."""
+    extra = [snap.nodes.get(i, i) for i in list(actual - expected)[:3]]
+    missing = [snap.nodes[i] for i in list(expected - actual)[:3]]
+    return f"extra {extra}, missing {missing}"
+
+
 def _check_leaves(snap: CacheSnapshot) -> None:
     for name, listed, pred in (("GPU", snap.gpu_lru, gpu_evictable),
                                ("CPU", snap.cpu_lru, cpu_evictable)):
@@ -165,10 +172,8 @@ def _check_leaves(snap: CacheSnapshot) -> None:
         if len(actual) != len(listed):
             _fail(f"{name} leaf heap lists a node twice")
         if expected != actual:
-            extra = [snap.nodes.get(i, i) for i in list(actual - expected)[:3]]
-            missing = [snap.nodes[i] for i in list(expected - actual)[:3]]
-            _fail(f"{name} leaf heap differs from the evictable leaves: extra {extra}, "
-                  f"missing {missing}")
+            _fail(f"{name} leaf heap differs from the evictable leaves: "
+                  f"{_extra_missing(snap, expected, actual)}")
 
 
 def _check_policy(snap: CacheSnapshot) -> None:
@@ -184,10 +189,8 @@ def _check_policy(snap: CacheSnapshot) -> None:
         expected = {n.id for n in snap.nodes.values() if holds(n)}
         actual = set(tracked)
         if expected != actual:
-            extra = [snap.nodes.get(i, i) for i in list(actual - expected)[:3]]
-            missing = [snap.nodes[i] for i in list(expected - actual)[:3]]
             _fail(f"the {name} tier's {snap.policy} policy tracks other nodes than those "
-                  f"holding its copy: extra {extra}, missing {missing}")
+                  f"holding its copy: {_extra_missing(snap, expected, actual)}")
 
 
 def _check_memo(snap: CacheSnapshot) -> None:
