@@ -123,7 +123,13 @@ class Server:
         return [res[rid] for rid in ids]
 
     def reset(self) -> None:
-        assert self.llm.reset_prefix_cache()
+        """vLLM refuses while a finished request still holds blocks (with
+        kvcached: until its saves are done), so ask until it takes."""
+        deadline = time.monotonic() + 60
+        while not self.llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's prefix cache never became free to reset")
+            time.sleep(0.05)
 
 
 def per_hit(srv: Server, p: dict, connector: bool) -> dict:

@@ -94,7 +94,12 @@ def main(spec: dict) -> dict:
                                  "outputs": [list(r.outputs[0].token_ids) for r in res],
                                  "cached": [r.num_cached_tokens for r in res]})
         elif step[0] == "reset":
-            assert llm.reset_prefix_cache()
+            # vLLM refuses while a finished request still holds blocks: with
+            # kvcached, until its saves are done (finished_sending)
+            deadline = time.monotonic() + 60
+            while not llm.reset_prefix_cache():
+                assert time.monotonic() < deadline, "vLLM's prefix cache never became free"
+                time.sleep(0.05)
             out["steps"].append({"step": step})
         elif step[0] == "kill_worker":
             pid = int(worker(run_dir)["pid"])
