@@ -89,6 +89,7 @@ class CacheConfig:
     storage_url: str = ""
     storage_load_policy: str = "timeout"
     storage_load_timeout_s: float = 1.0
+    storage_lookup_timeout_s: float = 0.1
     storage_min_load_blocks: int = 1
     storage_max_bytes: int = 0
     check_host_memory: bool = True
@@ -147,7 +148,8 @@ class CacheConfig:
             raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}")
         _positive(self, "worker_start_timeout_s", "heartbeat_interval_s",
                   "worker_timeout_s", "engine_timeout_s", "task_timeout_s",
-                  "storage_load_timeout_s", "worker_stable_s")
+                  "storage_load_timeout_s", "storage_lookup_timeout_s",
+                  "worker_stable_s")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.heartbeat_interval_s >= self.worker_timeout_s:

@@ -23,11 +23,9 @@ dominate as it does on real models):
    most half of the others'; its computed share within 5 points of the least.
 3. No reuse. Rounds of unique prompts, in two processes of each mode taken
    in turn: the median round's throughput without and with kvcached
-   (target: at most 5% lost). The connector leaves glibc's mmap threshold at
-   32 MiB (``inplace.own_pages_for_large_allocations``), which by itself
-   changes how fast vLLM's CPU build runs; so a third mode runs vLLM without
-   the connector but with that threshold (``MALLOC_MMAP_THRESHOLD_``), and
-   ``no_reuse_connector_overhead`` is kvcached's loss against it.
+   (target: at most 5% lost). Both run with the same process settings: the
+   connector changes nothing in the process but where the KV cache lives
+   (shared memory, through vLLM's ``get_mem_pool_context``).
    ``--no-reuse-only`` runs just these.
 Every mode must give the same greedy outputs.
 
@@ -259,6 +257,7 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
 def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int) -> dict:
     return {"kv_connector": "KvcachedConnector",
             "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
                                           "storage_backend": "file",
                                           "storage_url": str(store)}}
@@ -274,17 +273,12 @@ def rounds(modes: dict, mode: str) -> list[float]:
     return [r for m in (mode, mode + "2") if m in modes for r in modes[m]["no_reuse"]["rounds"]]
 
 
-# glibc's mmap threshold as the connector leaves it, for vLLM without it
-MALLOC_AS_CONNECTOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-
-
 def no_reuse_summary(modes: dict) -> dict:
     med = statistics.median
     kv = med(rounds(modes, "kvcached"))
     return {"no_reuse_throughput_tok_s": {m: rounds(modes, m)
-                                          for m in ("plain", "plain_malloc", "kvcached")},
+                                          for m in ("plain", "kvcached")},
             "no_reuse_throughput_lost": 1 - kv / med(rounds(modes, "plain")),
-            "no_reuse_connector_overhead": 1 - kv / med(rounds(modes, "plain_malloc")),
             "no_reuse_identical": all(modes[m]["no_reuse"]["outputs"]
                                       == modes["plain"]["no_reuse"]["outputs"] for m in modes
                                       if "no_reuse" in modes[m])}
@@ -333,8 +327,6 @@ def no_reuse_modes(model: str, p: dict, work: Path, cpu_blocks: int, twice: bool
         modes["plain" + suffix] = run_mode("plain" + suffix, model, p, None, ["no_reuse"])
         modes["kvcached" + suffix] = run_mode("kvcached" + suffix, model, p, kvcached_connector(
             work / f"run{suffix}", work / f"store{suffix}", cpu_blocks), ["no_reuse"])
-        modes["plain_malloc" + suffix] = run_mode("plain_malloc" + suffix, model, p, None,
-                                                  ["no_reuse"], MALLOC_AS_CONNECTOR)
     return {**no_reuse_summary(modes),
             "load_avg_1m_after": {m: r["load_avg_1m_after"] for m, r in modes.items()}}
 
@@ -343,8 +335,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model, few prompts (smoke)")
     ap.add_argument("--no-reuse-only", action="store_true",
-                    help="only the no-reuse rounds (plain, plain with the connector's "
-                         "malloc setting, kvcached)")
+                    help="only the no-reuse rounds (plain, kvcached)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -372,8 +363,6 @@ def main() -> None:
                                 ["restart_hit"]),
             "example": run_mode("example", model, p, example_connector(work / "example"),
                                 ["per_hit", "chat"]),
-            "plain_malloc": run_mode("plain_malloc", model, p, None, ["no_reuse"],
-                                     MALLOC_AS_CONNECTOR),
         }
         if not args.quick:
             # A second process of each, in turn: one vLLM process runs up to
@@ -381,8 +370,6 @@ def main() -> None:
             modes["plain2"] = run_mode("plain2", model, p, None, ["no_reuse"])
             modes["kvcached2"] = run_mode("kvcached2", model, p, kvcached_connector(
                 work / "run3", work / "store3", cpu_blocks), ["no_reuse"])
-            modes["plain_malloc2"] = run_mode("plain_malloc2", model, p, None, ["no_reuse"],
-                                              MALLOC_AS_CONNECTOR)
     out = {"bench": "vllm", "quick": bool(args.quick),
            "model": f"random Llama {p['layers']}x{p['hidden']}", **summary(modes, p),
            "load_avg_1m_after": {m: r["load_avg_1m_after"] for m, r in modes.items()}}

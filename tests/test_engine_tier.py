@@ -10,12 +10,11 @@ import hashlib
 
 import pytest
 import torch
-from helpers import own_pages_zeros
 
 from kvcached import CacheConfig
 from kvcached.core.manager import CacheManager
 from kvcached.memory import kvshare
-from kvcached.memory.inplace import share_in_place
+from kvcached.memory.shared_alloc import shared_empty
 
 LAYOUT = dict(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32")
 ENGINE_BLOCKS = 16
@@ -27,9 +26,8 @@ def engine_planes(run_dir, fused: bool, rank: int = 0) -> tuple[list[torch.Tenso
     per_plane = 2 * LAYOUT["head_dim"] if fused else LAYOUT["head_dim"]
     n_planes = LAYOUT["num_layers"] * (1 if fused else 2)
     shape = (ENGINE_BLOCKS, LAYOUT["num_kv_heads"], LAYOUT["block_size"], per_plane)
-    buf = own_pages_zeros((n_planes, *shape))  # a buffer of its own, as vLLM's
+    buf, region = shared_empty((n_planes, *shape), torch.float32, f"test-engine-rank{rank}")
     planes = list(buf.unbind(0))
-    region = share_in_place(buf.data_ptr(), buf.nbytes, f"test-engine-rank{rank}", buf)
     kvshare.export_kv_cache(planes, rank, run_dir)
     return planes, region
 
@@ -79,6 +77,18 @@ def load(mgr: CacheManager, creq, start: int, stop: int, ids: list[int]) -> list
     return mgr.engine_finish_load(plan, [h.result for h in handles])
 
 
+def lookup(mgr, creq, limit: int) -> tuple[int, int]:
+    """(CPU-tier blocks, storage blocks after them), as the connector asks: the
+    CPU prefix at once, then storage's answer to a lookup task."""
+    n_cpu, moving = mgr.engine_cpu_prefix(creq, limit)
+    assert not moving
+    handle = mgr.engine_storage_lookup(creq, n_cpu, limit) if n_cpu < limit else None
+    if handle is None:
+        return n_cpu, 0
+    assert handle.wait(30) and handle.result.ok, handle.result
+    return n_cpu, int(handle.result.result["prefix"])
+
+
 @pytest.fixture
 def engine(tmp_path):
     """(planes, manager) of a started engine; closed at teardown."""
@@ -110,8 +120,8 @@ def test_save_then_load_into_other_engine_blocks(engine, fused):
         p.zero_()
 
     reader = mgr.engine_request(hashes)
-    assert mgr.engine_lookup(reader, 5) == (5, 0)
-    assert mgr.engine_lookup(reader, 3) == (3, 0)  # never past the limit
+    assert lookup(mgr, reader, 5) == (5, 0)
+    assert lookup(mgr, reader, 3) == (3, 0)  # never past the limit
     ids = [9, 7, 11, 8, 10]
     assert load(mgr, reader, 0, 5, ids) == []
     assert all(torch.equal(a, b) for a, b in zip(blocks(planes, ids), want, strict=True))
@@ -153,7 +163,7 @@ def test_storage_serves_a_new_engine(engine, tmp_path):
 
     planes2, mgr2 = engine("two", storage_backend="file", storage_url=store)
     reader = mgr2.engine_request(hashes)
-    assert mgr2.engine_lookup(reader, 4) == (0, 4)
+    assert lookup(mgr2, reader, 4) == (0, 4)
     assert load(mgr2, reader, 0, 4, [3, 2, 1, 0]) == []
     assert all(torch.equal(a, b)
                for a, b in zip(blocks(planes2, [3, 2, 1, 0]), want, strict=True))
@@ -167,7 +177,7 @@ def test_another_model_never_sees_the_kv(engine, tmp_path):
     save(mgr, [(mgr.engine_request(hashes), 3, [0, 1, 2])])
     mgr.planner.wait_background(30)
     _, other = engine("two", storage_backend="file", storage_url=store, model_id="model-b")
-    assert other.engine_lookup(other.engine_request(hashes), 3) == (0, 0)
+    assert lookup(other, other.engine_request(hashes), 3) == (0, 0)
 
 
 def test_paused_is_a_miss_and_saves_nothing(engine):
@@ -175,10 +185,10 @@ def test_paused_is_a_miss_and_saves_nothing(engine):
     hashes = engine_hashes("p", 2)
     save(mgr, [(mgr.engine_request(hashes), 2, [0, 1])])
     mgr.pause()
-    assert mgr.engine_lookup(mgr.engine_request(hashes), 2) == (0, 0)
+    assert lookup(mgr, mgr.engine_request(hashes), 2) == (0, 0)
     assert save(mgr, [(mgr.engine_request(engine_hashes("q", 2)), 2, [2, 3])]) == 0
     mgr.resume()
-    assert mgr.engine_lookup(mgr.engine_request(hashes), 2) == (2, 0)
+    assert lookup(mgr, mgr.engine_request(hashes), 2) == (2, 0)
 
 
 def test_a_lost_load_names_every_block_it_owed(engine):
@@ -191,7 +201,7 @@ def test_a_lost_load_names_every_block_it_owed(engine):
     lost = [TaskResult(0, False, "worker lost", True) for _ in plan.tasks]
     assert mgr.engine_finish_load(plan, lost) == [4, 5, 6]
     mgr.engine_release(reader)
-    assert mgr.engine_lookup(mgr.engine_request(hashes), 3) == (3, 0)  # still cached
+    assert lookup(mgr, mgr.engine_request(hashes), 3) == (3, 0)  # still cached
 
 
 def test_engine_calls_need_the_external_tier(make_manager):
@@ -205,3 +215,41 @@ def test_external_tier_config_errors():
         CacheConfig.load(**LAYOUT, external_gpu_tier=True, create_cache=True)
     with pytest.raises(ValueError, match="fused_kv .* and mla .* exclude each other"):
         CacheConfig.load(**LAYOUT, fused_kv=True, mla=True)
+
+
+def test_a_prefix_on_its_way_in_is_moving_until_it_lands(engine, tmp_path):
+    """A request whose blocks are being loaded from storage for another one is
+    told so: the connector asks again once they land (in the CPU tier) instead
+    of taking the part before."""
+    store = str(tmp_path / "store")
+    _, mgr = engine("one", storage_backend="file", storage_url=store)
+    hashes = engine_hashes("m", 4)
+    save(mgr, [(mgr.engine_request(hashes), 4, [0, 1, 2, 3])])
+    mgr.planner.wait_background(30)
+    mgr.close()
+    _, mgr2 = engine("two", storage_backend="file", storage_url=store)
+    first = mgr2.engine_request(hashes)
+    plan = mgr2.engine_load(first, 0, 4, [4, 5, 6, 7])  # planned: its nodes are on their way
+    second = mgr2.engine_request(hashes)
+    assert mgr2.engine_cpu_prefix(second, 4) == (0, True)
+    handles = [mgr2.submit(task) for task in plan.tasks]
+    assert all(h.wait(30) for h in handles)
+    assert mgr2.engine_finish_load(plan, [h.result for h in handles]) == []
+    assert mgr2.engine_cpu_prefix(second, 4) == (4, False)
+
+
+def test_no_storage_lookup_without_storage(engine):
+    _, mgr = engine()
+    assert mgr.engine_storage_lookup(mgr.engine_request(engine_hashes("n", 3)), 0, 3) is None
+
+
+def test_scheduler_step_time_in_status(engine):
+    """What an engine's scheduler spends in kvcached per step: p50/p99 in status."""
+    from kvcached.ops.statusview import render_status
+    _, mgr = engine()
+    assert "scheduler_step_us" not in mgr.status()
+    for us in [10] * 98 + [500, 900]:
+        mgr.record_engine_step(us / 1e6)
+    step = mgr.status()["scheduler_step_us"]
+    assert step == {"steps": 100, "p50": 10.0, "p99": 900.0, "max": 900.0}
+    assert "p50 10.0 us, p99 900.0 us" in render_status(mgr.status())

@@ -200,3 +200,25 @@ def test_redis_cluster_cross_slot_batches(tmp_path):
         assert not any(be.exists(keys))
         assert bs.lookup(make_hashes(48, seed=1)) == 0
         be.close()
+
+
+def test_frozen_storage_never_delays_swaps(server, tmp_path):
+    """Storage tasks have a lane of their own in the transfer worker: while a
+    lookup hangs on a frozen server, swaps between the tiers complete."""
+    from conftest import tiny_config
+
+    from kvcached.core.manager import CacheManager
+    from kvcached.transfer.base import Task
+    cfg = tiny_config(run_dir=str(tmp_path / "run"), storage_backend="redis",
+                      storage_url=server.url, transfer_mode="workers",
+                      num_gpu_blocks=8, num_cpu_blocks=8)
+    with CacheManager(cfg) as mgr:
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            lookup = mgr.submit(Task("lookup", [], [], {"keys": ["ab" * 32]}))
+            swap = mgr.submit(Task("swap_out", [0, 1], [0, 1]))
+            assert swap.wait(5.0) and swap.result.ok, swap.result
+            assert not lookup.done()  # still waiting on the frozen server
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert lookup.wait(30)

@@ -6,7 +6,9 @@ JSON spec in one vLLM process and prints one JSON line with what each step saw.
 Steps: ``["generate", name]`` (greedy outputs and ``num_cached_tokens`` of the
 prompt set ``name``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
 (SIGKILL rank 0's transfer worker; ``restarts`` reports it came back),
-``["ctl", op]`` (``kvcached ctl op``), ``["status"]``. Prompt sets are token ids made from the spec's ``prompts``:
+``["ctl", op]`` (``kvcached ctl op``), ``["status"]``, ``["corrupt", dir, n]`` (every
+n-th stored object damaged), ``["signal", pid, name]`` (e.g. freeze a storage
+server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``). Prompt sets are token ids made from the spec's ``prompts``:
 ``{name: [[seed, length], ...]}``. vLLM spawns processes: hence the main guard.
 """
 
@@ -36,12 +38,35 @@ def make_model(path: str, layers: int = 2, hidden: int = 128) -> str:
     return path
 
 
+def tokens(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(length)]
+
+
 def prompts(spec: list[list[int]]) -> list[list[int]]:
+    """``[seed, length]``: random tokens; ``[seed, length, head_seed, head_len]``:
+    a head shared by every prompt with that head seed, then the prompt's own."""
     out = []
-    for seed, length in spec:
-        rng = random.Random(seed)
-        out.append([rng.randrange(1, 1000) for _ in range(length)])
+    for seed, length, *head in spec:
+        shared = tokens(head[0], head[1]) if head else []
+        out.append(shared + tokens(seed, length - len(shared)))
     return out
+
+
+def corrupt(store: str, every: int) -> int:
+    """Flip the last byte of every ``every``-th stored object (sorted by path);
+    returns how many."""
+    files = sorted(p for p in Path(store).rglob("*") if p.is_file())
+    for path in files[::every]:
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    return len(files[::every])
+
+
+def metric(llm, name: str) -> float:
+    """A counter of vLLM's own metrics (``LLM.get_metrics``), summed over labels."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
 
 
 def status(run_dir: str) -> dict:
@@ -74,13 +99,21 @@ def main(spec: dict) -> dict:
         kw["kv_transfer_config"] = {
             "kv_connector": spec.get("connector", "KvcachedConnector"),
             "kv_connector_module_path": spec.get("module", "kvcached.integrations.vllm"),
-            "kv_role": "kv_both", "kv_connector_extra_config": spec["extra"]}
+            "kv_role": "kv_both", "kv_connector_extra_config": spec["extra"],
+            "kv_load_failure_policy": spec.get("load_failure_policy", "recompute")}
+    # vLLM's scheduling: a small token budget chunks every prompt; few blocks
+    # make it queue and preempt
+    sched = {k: spec[k] for k in ("max_num_batched_tokens", "num_gpu_blocks_override")
+             if k in spec}
+    if "max_num_batched_tokens" in spec:
+        sched["enable_chunked_prefill"] = True
     t0 = time.monotonic()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=32, enforce_eager=True,
               max_model_len=spec.get("max_model_len", 4096), dtype="bfloat16",
               kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
-              tensor_parallel_size=spec.get("tp", 1), disable_log_stats=True,
-              max_num_seqs=spec.get("max_num_seqs", 16), **kw)
+              tensor_parallel_size=spec.get("tp", 1),
+              disable_log_stats=not spec.get("log_stats", False),
+              max_num_seqs=spec.get("max_num_seqs", 16), **sched, **kw)
     out: dict = {"startup_s": time.monotonic() - t0, "steps": []}
     sets = {name: prompts(p) for name, p in spec["prompts"].items()}
     sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8))
@@ -113,6 +146,14 @@ def main(spec: dict) -> dict:
                                   run_dir], capture_output=True, text=True, timeout=120)
             out["steps"].append({"step": step, "rc": res.returncode,
                                  "output": res.stdout + res.stderr})
+        elif step[0] == "corrupt":  # ["corrupt", store dir, every n-th object]
+            out["steps"].append({"step": step, "corrupted": corrupt(step[1], step[2])})
+        elif step[0] == "signal":  # ["signal", pid, "SIGSTOP" | "SIGCONT" | "SIGKILL"]
+            os.kill(int(step[1]), getattr(signal, step[2]))
+            out["steps"].append({"step": step})
+        elif step[0] == "preemptions":
+            out["steps"].append({"step": step,
+                                 "preemptions": metric(llm, "vllm:num_preemptions")})
         elif step[0] == "status":
             out["steps"].append({"step": step, "status": status(run_dir)})
         else:

@@ -16,6 +16,7 @@ transfer queued are applied at the start of the next call or in
 
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
 import threading
@@ -109,6 +110,8 @@ class CacheManager:
         self._draining = False  # sleep(drain=True) waits: allocate raises CacheAsleep
         self._drained = threading.Condition(self._lock)  # notified when the last request frees
         self._host_released = False
+        # Seconds an engine's scheduler spent in kvcached per step (a connector)
+        self._step_times: collections.deque[float] = collections.deque(maxlen=4096)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> CacheManager:
@@ -557,7 +560,21 @@ class CacheManager:
                 "cpu_tier": self.cpu_enabled, "weight_version": self.cfg.weight_version,
                 "transfer_mode": self.cfg.transfer_mode, "tp_size": self.cfg.tp_size,
                 "stats": st.to_dict(), "workers": st.workers,
-                "transfer": {k: v for k, v in transfer.items() if k != "workers"}}
+                "transfer": {k: v for k, v in transfer.items() if k != "workers"},
+                **self._step_time_summary()}
+
+    def record_engine_step(self, seconds: float) -> None:
+        """The time an engine's scheduler spent in kvcached during one step."""
+        self._step_times.append(seconds)
+
+    def _step_time_summary(self) -> dict:
+        times = sorted(self._step_times)
+        if not times:
+            return {}
+        def at(q: float) -> float:
+            return round(times[min(len(times) - 1, int(q * len(times)))] * 1e6, 1)
+        return {"scheduler_step_us": {"steps": len(times), "p50": at(0.5), "p99": at(0.99),
+                                      "max": at(1.0)}}
 
     @property
     def log_dir(self) -> Path:
@@ -589,20 +606,29 @@ class CacheManager:
         with self._lock:
             self.core.add_hashes(creq, engine_hashes)
 
-    def engine_lookup(self, creq, limit: int) -> tuple[int, int]:
+    def engine_cpu_prefix(self, creq, limit: int) -> tuple[int, bool]:
         """How many of the request's first ``limit`` blocks the CPU tier holds, and
-        how many storage holds after those (a lookup on every rank). Changes
-        nothing. While paused both are 0: a hit would wait for resume."""
+        whether the next one is on its way in or out of it (a fetch or a save of
+        another request: ask again once it lands). Changes nothing; no I/O.
+        While paused: 0 (a hit would wait for resume)."""
         with self._lock:
             self.planner.reap()
             if self.planner.paused or not self.cpu_enabled:
-                return 0, 0
-            n_cpu = self.core.cpu_prefix(creq, limit)
-            if n_cpu >= limit or not self.planner.storage_usable():
-                return n_cpu, 0
-            if limit - n_cpu < self.cfg.storage_min_load_blocks:
-                return n_cpu, 0
-        return n_cpu, self.planner.lookup(creq.hashes(n_cpu, limit))  # no lock: a round trip
+                return 0, False
+            return self.core.cpu_prefix(creq, limit)
+
+    def engine_storage_lookup(self, creq, start: int, limit: int) -> TaskHandle | None:
+        """Start looking blocks ``start..limit-1`` of the request up in storage (a
+        lookup task on every rank; its result's ``prefix`` counts the leading
+        blocks every rank has). None when storage is not to be asked: off,
+        unusable, or fewer blocks than ``storage_min_load_blocks``."""
+        with self._lock:
+            if not self.planner.storage_usable():
+                return None
+            if limit - start < max(1, self.cfg.storage_min_load_blocks):
+                return None
+            keys = [h.hex() for h in creq.hashes(start, limit)]
+            return self.planner.submit(Task("lookup", [], [], {"keys": keys}))
 
     def engine_load(self, creq, start: int, stop: int, device_ids: list[int]) -> EngineLoad:
         """Pin the request's cached prefix and plan copying blocks ``start..stop-1``
@@ -707,6 +733,11 @@ class CacheManager:
         with self._lock:
             self._counters.count_request(prompt_tokens,
                                          HitInfo(gpu_tokens, cpu_tokens, storage_tokens))
+
+    def count_storage(self, event: str) -> None:
+        """Count a storage event the engine saw (``kvcached status`` shows them)."""
+        with self._lock:
+            self._counters.storage[event] += 1
 
     def submit(self, task: Task) -> TaskHandle:
         """Submit a task (counted in the stats); its completion is the caller's."""

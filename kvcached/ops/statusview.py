@@ -52,6 +52,10 @@ def render_status(st: dict) -> str:
                             storage_health(st))
     if stats.get("evictions"):
         lines.append("evictions (blocks): " + pairs(stats["evictions"]))
+    step = st.get("scheduler_step_us")
+    if step:
+        lines.append(f"engine scheduler time in kvcached per step: p50 {step['p50']} us, "
+                     f"p99 {step['p99']} us, max {step['max']} us ({step['steps']} steps)")
     return "\n".join(lines)
 
 
@@ -78,11 +82,11 @@ def _workers_table(workers: list[dict]) -> list[str]:
         queues = w.get("queues") or {}
         rows.append([w.get("rank", "?"), w.get("pid", "?"), w.get("state", "?"),
                      f"{w.get('last_seen_s', 0):.1f}s ago",
-                     "/".join(str(queues.get(k, 0)) for k in ("out", "in", "ctl")),
+                     "/".join(str(queues.get(k, 0)) for k in ("out", "in", "storage", "ctl")),
                      w.get("restarts", 0), w.get("done", "-"), w.get("fast", "-"),
                      w.get("failed", "-"), w.get("lost_reason", "")])
     return (["workers:"]
-            + _table(["rank", "pid", "state", "heartbeat", "queues out/in/ctl", "restarts",
+            + _table(["rank", "pid", "state", "heartbeat", "queues out/in/storage/ctl", "restarts",
                       "done", "fast", "failed", "lost reason"], rows)
             + ["  queues: tasks waiting or running per lane; restarts: since start; "
                "done/failed: tasks this",

@@ -5,9 +5,13 @@ Threads and sockets (each socket has exactly one owning thread):
     main thread   DEALER to the coordinator (identity ``rank-<r>``) + PULL of
                   finished-task reports; decodes, validates, routes tasks to
                   lanes, sends Done/Heartbeat, watches for the engine's death
-    lane "out"    swap_out / store, in arrival order   (own PUSH socket)
-    lane "in"     swap_in / load / lookup, in order     (own PUSH socket)
+    lane "out"    swap_out, in arrival order            (own PUSH socket)
+    lane "in"     swap_in, in arrival order             (own PUSH socket)
+    lane "storage" store / load / lookup, in order      (own PUSH socket)
     lane "ctl"    control operations and noop           (own PUSH socket)
+
+Storage has a lane of its own: a slow or frozen store server delays storage
+tasks only, never the copies between the engine's blocks and the CPU tier.
 
 A bad frame gets an error reply and the worker keeps running; a failed copy
 is a failed Done (copy engines check ids before touching memory). A fatal
@@ -40,8 +44,9 @@ from kvcached.transfer.fastpath import swap_server
 
 logger = logging.getLogger(__name__)
 
-LANE_OF = {"swap_out": "out", "store": "out", "swap_in": "in", "load": "in",
-           "lookup": "in", "control": "ctl", "noop": "ctl"}
+LANE_OF = {"swap_out": "out", "store": "storage", "swap_in": "in", "load": "storage",
+           "lookup": "storage", "control": "ctl", "noop": "ctl"}
+LANES = ("out", "in", "storage", "ctl")
 HELLO_RETRY_S = 1.0
 EXIT_REFUSED = 3  # exit code when the coordinator refused our hello (the launcher reads it)
 EXIT_FATAL = 4  # a task hit a fatal error (a broken CUDA context): restart me
@@ -111,7 +116,7 @@ class Worker:
         self.done_endpoint = f"inproc://done-{rank}-{id(self)}"
         self.paused = False  # informational: the coordinator holds tasks while paused
         self._idle = threading.Condition()
-        self.lanes = {name: Lane(name, self) for name in ("out", "in", "ctl")}
+        self.lanes = {name: Lane(name, self) for name in LANES}
         self._owed = 0  # sum of the lanes' outstanding: one check per message
         # Native serve(raw) of small swaps while attached (fastpath.swap_server).
         self._fast = None

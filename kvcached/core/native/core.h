@@ -289,7 +289,7 @@ int32_t core_ext_save(core_t *c, request_t *r, int32_t upto, int32_t *nodes, int
 void core_ext_finish_save(core_t *c, request_t *r, const int32_t *nodes, const int32_t *blocks,
                           int32_t n, int ok);
 int32_t core_ext_plan_store(core_t *c, request_t *r, int32_t *nodes, int32_t *cpus);
-int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit);
+int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit, int *moving);
 
 /* lru.c */
 int heap_init(leafheap_t *h, int tier);

@@ -1063,7 +1063,9 @@ static PyObject *Core_cpu_prefix(PyObject *self, PyObject *const *args, Py_ssize
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "cpu_prefix(req, limit)");
         return NULL;
     }
-    return PyLong_FromLong(core_cpu_prefix(CORE(self), r, limit));
+    int moving;
+    int32_t n = core_cpu_prefix(CORE(self), r, limit, &moving);
+    return Py_BuildValue("(iO)", n, moving ? Py_True : Py_False);
 }
 
 static int need_external(PyObject *self) {
@@ -1490,7 +1492,8 @@ static PyMethodDef core_methods[] = {
     FAST(request_hashes, "request_hashes(namespace, engine_hashes) -> Request: a request whose "
                          "blocks the engine hashed (keys: BLAKE2b(namespace || hash))"),
     FAST(add_hashes, "add_hashes(req, engine_hashes): more blocks of the request"),
-    FAST(cpu_prefix, "cpu_prefix(req, limit) -> int: leading blocks the CPU tier holds"),
+    FAST(cpu_prefix, "cpu_prefix(req, limit) -> (n, moving): leading blocks the CPU tier holds; "
+                     "moving: the next one is being fetched or saved"),
     FAST(path_blocks, "path_blocks(req, start, stop, tier) -> block ids of path nodes"),
     FAST(ext_save, "ext_save(req, upto) -> (nodes, cpu_ids, block positions) to copy"),
     FAST(ext_finish_save, "ext_finish_save(req, nodes, blocks, ok)"),

@@ -935,13 +935,21 @@ int core_free_blocks(core_t *c, int tier, const int32_t *ids, int32_t n, int fro
 /* -------------------------------------------------- external GPU tier */
 
 /* How many of the request's first blocks (at most limit) the CPU tier holds,
- * ready to copy: the lookup of a connector, which must change nothing. */
-int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit) {
+ * ready to copy: the lookup of a connector, which must change nothing.
+ * *moving is set when the prefix stops at a block on its way into or out of
+ * the CPU tier (a fetch or save of another request): it lands soon, and the
+ * caller may ask again then rather than lose the rest of the hit. */
+int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit, int *moving) {
     int32_t node = ROOT, k = 0;
+    *moving = 0;
     if (limit > r->n_hashes) limit = r->n_hashes;
     for (; k < limit; k++) {
         int32_t ch = child_by_hash(c, node, r->hashes + (size_t)k * HASH_LEN);
-        if (ch == NIL || N(c, ch)->state != S_CPU) break;
+        if (ch == NIL) break;
+        if (N(c, ch)->state != S_CPU) {
+            *moving = N(c, ch)->state == S_SWAP_IN || N(c, ch)->state == S_SWAP_OUT;
+            break;
+        }
         node = ch;
     }
     return k;

@@ -131,3 +131,16 @@ def check_hashes_reproducible(vllm_config, cfg: CacheConfig) -> str | None:
                 "stored by one vLLM process is never found by the next; use sha256 (vLLM's "
                 "default) or set PYTHONHASHSEED")
     return None
+
+
+def check_load_failure_policy(kv_transfer_config) -> None:
+    """kvcached is a cache: a block that fails to load (a dead worker, a bad or
+    vanished storage object) is recomputed by vLLM, which needs its
+    ``kv_load_failure_policy = "recompute"``; with "fail" every such miss
+    would fail its request."""
+    policy = kv_transfer_config.kv_load_failure_policy
+    if policy != "recompute":
+        raise ValueError(
+            f"kvcached needs kv_transfer_config.kv_load_failure_policy = \"recompute\" "
+            f"(a block that fails to load is recomputed); it is {policy!r}: add "
+            f"\"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config")

@@ -15,6 +15,8 @@ per-layer hooks have nothing to do.
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from kvcached.integrations.vllm import config as vconfig
 
 
 @dataclass
@@ -34,6 +38,19 @@ class KvcachedMetadata(KVConnectorMetadata):
     load_errors: set[int] = field(default_factory=set)
 
 
+def _timed(method):
+    """A scheduler hook: its time counts towards the step's (``kvcached status``
+    shows p50/p99 per step: what kvcached adds to vLLM's scheduler)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.scheduler.hook_s += time.perf_counter() - t0
+    return timed
+
+
 class KvcachedConnector(KVConnectorBase_V1):
     """kvcached's CPU and storage tiers behind vLLM's GPU tier (see the module)."""
 
@@ -42,9 +59,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             from kvcached.integrations.vllm.scheduler import SchedulerHalf
-            # A load that fails is a miss: vLLM recomputes the blocks kvcached
-            # reports (its default policy fails the request).
-            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+            vconfig.check_load_failure_policy(vllm_config.kv_transfer_config)
             self.scheduler = SchedulerHalf(vllm_config, kv_cache_config)
         else:
             from kvcached.integrations.vllm.worker import WorkerHalf
@@ -59,22 +74,38 @@ class KvcachedConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler.kv_cache_manager = kv_cache_manager
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self.scheduler.block_pool = gpu_block_pool  # saves in flight hold their blocks
+
+    @_timed
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler.pending_block_frees()
+
+    @_timed
     def on_new_request(self, request) -> None:
         self.scheduler.track(request)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    @_timed
+    def get_num_new_matched_tokens(self, request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.matched_tokens(request, num_computed_tokens)
 
+    @_timed
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler.after_alloc(request, blocks, num_external_tokens)
 
+    @_timed
     def build_connector_meta(self, scheduler_output) -> KvcachedMetadata:
         finished, errors = self.scheduler.build_meta(scheduler_output)
         return KvcachedMetadata(finished, errors)
 
     def update_connector_output(self, connector_output) -> None:
+        t0 = time.perf_counter()
         self.scheduler.update_output(connector_output)
+        # the step's last hook: its time is complete
+        self.scheduler.end_step(self.scheduler.hook_s + time.perf_counter() - t0)
 
+    @_timed
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request)
 
@@ -82,6 +113,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         return None  # vLLM's reset_prefix_cache leaves kvcached's tiers as they are
 
     # --------------------------------------------------------------- worker
+    def get_mem_pool_context(self):
+        return self.worker.mem_pool_context()
+
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.worker.register(kv_caches)
 

@@ -3,11 +3,18 @@ engine-core process.
 
 vLLM keeps its GPU tier (its block pool, its prefix cache, its block ids);
 kvcached's ``CacheManager`` (with ``external_gpu_tier``) holds the CPU tier
-and storage for this model and drives the transfer workers. Each step:
+and storage for this model and drives the transfer workers. No hook waits
+on I/O or on a worker: vLLM's scheduler never stalls on kvcached.
 
 - ``get_num_new_matched_tokens``: how many tokens past vLLM's own hit the
   CPU tier, then storage, hold (block-aligned; at least one prompt token is
-  left to compute). Changes nothing.
+  left to compute). The CPU tier answers at once; storage is asked by a
+  lookup task, and until it answers the request gets ``None`` (vLLM asks
+  again next step and schedules the others meanwhile). A lookup not
+  answered within ``storage_lookup_timeout_s`` is a miss. A request whose
+  prefix is on its way into the CPU tier for another request (or out of it,
+  saved) also gets ``None`` until that lands, so that it takes the whole hit
+  instead of the part before.
 - ``update_state_after_alloc``: vLLM gave the request its blocks; the cached
   prefix is pinned and its copy into those blocks planned (asynchronous:
   the request waits in WAITING_FOR_REMOTE_KVS, vLLM keeps scheduling).
@@ -26,16 +33,20 @@ and storage for this model and drives the transfer workers. Each step:
 A save planned at step N is copied from step N + lag on, lag being the
 number of batches vLLM keeps in flight (1, or 2 with async scheduling): by
 then forward N has finished. The blocks it reads are full, so no later
-forward of the request writes them; a finished request keeps its blocks
-until its saves are done (``request_finished`` returns True, the request
-comes back in ``finished_sending``). A preempted request's blocks are freed
-at once: its saves not yet submitted are dropped, those in flight waited for.
+forward of the request writes them. While a save is copied its source blocks
+hold a reference in vLLM's block pool, so nothing reuses them: a preempted
+request's blocks stay intact until their saves land (vLLM waits for them
+through ``has_pending_block_frees`` rather than preempt another request),
+and no step waits. A finished request keeps its blocks while a save or a
+load of it is in flight (``request_finished`` returns True; it comes back in
+``finished_sending``, or in ``finished_recving`` for a load).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 
 from kvcached.core.manager import CacheManager, EngineLoad, EngineSave
@@ -48,6 +59,18 @@ logger = logging.getLogger("vllm.kvcached")
 
 
 @dataclass
+class Lookup:
+    """A storage lookup of blocks ``start..limit-1`` of a request: in flight until
+    ``found`` is known (the leading blocks storage holds; 0 on trouble)."""
+
+    start: int
+    limit: int
+    handle: TaskHandle
+    deadline: float
+    found: int | None = None
+
+
+@dataclass
 class Tracked:
     """A vLLM request as kvcached knows it."""
 
@@ -56,11 +79,15 @@ class Tracked:
     n_keys: int = 0  # vLLM block hashes made keys so far
     saved: int = 0  # blocks up to which saves were planned
     hit: tuple[int, int, int] = (0, 0, 0)  # (vLLM's own blocks, CPU tier, storage) at lookup
+    split: tuple[int, int] = (0, 0)  # tokens the last load takes from (CPU tier, storage)
+    lookup: Lookup | None = None
+    waiting_since: float | None = None  # asked again while its prefix moves
     loads: list[Load] = field(default_factory=list)  # in flight
     saves: int = 0  # save plans not yet done (planned, or in flight)
     counted: bool = False  # in the hit statistics
     failed: bool = False  # a load failed: the rest of the request computes its KV
     finished: bool = False
+    delayed: bool = False  # request_finished returned True: vLLM waits for our report
 
 
 @dataclass
@@ -126,14 +153,20 @@ class SchedulerHalf:
             logger.warning("kvcached: %s", why)
         self.block_size = cfg.block_size
         self.lag = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
+        self.lookup_timeout_s = cfg.storage_lookup_timeout_s
+        # A prefix moving for another request lands within a task's time.
+        self.move_wait_s = cfg.task_timeout_s
         self.mgr = CacheManager(cfg).start()
         self.reqs: dict[str, Tracked] = {}
         self.saves: collections.deque[SavePlan] = collections.deque()  # planned
-        self.saving: list[tuple[EngineSave | None, list[Tracked]]] = []  # in flight
+        self.saving: list[tuple[EngineSave | None, list[Tracked], list[int]]] = []  # in flight
         self.sent: set[str] = set()  # finished requests whose saves are done
         self.step = 0
         self.planned_loads: list[tuple[Tracked, Load]] = []
         self.kv_cache_manager = None
+        self.block_pool = None
+        self.pins: collections.Counter[int] = collections.Counter()  # block id -> our refs
+        self.hook_s = 0.0  # time vLLM's scheduler spent in kvcached this step
         logger.info("kvcached: run dir %s (kvcached status --run-dir %s); CPU tier %d blocks, "
                     "storage %s", self.run_dir, self.run_dir, cfg.num_cpu_blocks,
                     cfg.storage_backend or "off")
@@ -150,8 +183,9 @@ class SchedulerHalf:
             t.n_keys = len(hashes)
         return t
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens past vLLM's own hit that kvcached can load (asynchronously)."""
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens past vLLM's own hit that kvcached can load (asynchronously), or
+        None while that is not known yet (see the module docstring)."""
         t = self.track(request)
         bs = self.block_size
         limit = min((request.num_tokens - 1) // bs, t.n_keys)  # one token left to compute
@@ -159,10 +193,46 @@ class SchedulerHalf:
         t.hit = (local, 0, 0)
         if limit <= local or t.failed:  # after a failed load: no second try, no livelock
             return 0, False
-        n_cpu, n_storage = self.mgr.engine_lookup(t.creq, limit)
+        if t.saves:  # preempted while its saves copy: its blocks are about to be cached
+            return None, False
+        now = time.monotonic()
+        n_cpu, moving = self.mgr.engine_cpu_prefix(t.creq, limit)
+        if moving:
+            t.waiting_since = t.waiting_since or now
+            if now - t.waiting_since < self.move_wait_s:
+                return None, False
+        n_storage = self._storage_found(t, n_cpu, limit, now)
+        if n_storage is None:
+            return None, False
+        t.waiting_since = None
         t.hit = (local, n_cpu, n_storage)
         ext = max(0, n_cpu + n_storage - local) * bs
         return ext, ext > 0
+
+    def _storage_found(self, t: Tracked, start: int, limit: int, now: float) -> int | None:
+        """How many blocks from ``start`` storage holds, None until its lookup
+        answers. One lookup per (start, limit): vLLM may ask several times."""
+        if start >= limit:
+            return 0
+        lk = t.lookup
+        if lk is None or (lk.start, lk.limit) != (start, limit):
+            handle = self.mgr.engine_storage_lookup(t.creq, start, limit)
+            if handle is None:
+                return 0
+            t.lookup = Lookup(start, limit, handle, now + self.lookup_timeout_s)
+            return None
+        if lk.found is None:
+            if lk.handle.done():
+                r = lk.handle.result
+                lk.found = int(r.result.get("prefix", 0)) if r.ok else 0
+                if not r.ok:
+                    self.mgr.count_storage("lookup_failed")
+            elif now >= lk.deadline:
+                lk.found = 0  # storage is slow: computing beats waiting
+                self.mgr.count_storage("lookup_timed_out")
+            else:
+                return None
+        return lk.found
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: pin the prefix, plan the load."""
@@ -175,29 +245,42 @@ class SchedulerHalf:
             stop = local + num_external_tokens // bs
             self._renew(t)
             plan = self.mgr.engine_load(t.creq, local, stop, list(blocks.get_block_ids()[0]))
-            self.planned_loads.append((t, Load(plan, [Part() for _ in plan.tasks])))
+            load = Load(plan, [Part() for _ in plan.tasks])
+            t.loads.append(load)  # in flight from here: submitted with this step's meta
+            self.planned_loads.append((t, load))
             cpu = max(0, min(plan.n_cpu, stop) - local) * bs
             storage = max(0, min(plan.n_cpu + len(plan.nodes), stop) - max(plan.n_cpu, local)) * bs
+            t.lookup = None
+        t.split = (cpu, num_external_tokens - cpu)
         if not t.counted:
             t.counted = True
             self.mgr.count_engine_request(request.num_tokens, own, cpu, storage)
 
+    def hit_sources(self, request, num_external_tokens: int) -> tuple[int, int]:
+        """The tokens of the request's external hit from (CPU tier, storage)."""
+        t = self.reqs.get(request.request_id)
+        if t is None or not num_external_tokens:
+            return 0, 0
+        cpu = min(t.split[0], num_external_tokens)
+        return cpu, num_external_tokens - cpu
+
     def finished(self, request) -> tuple[bool, None]:
-        """vLLM is done with the request. Its blocks stay until its saves are
-        done (True: vLLM frees them once it is in ``finished_sending``); its
-        pinned path is released once nothing of it is in flight."""
+        """vLLM is done with the request. Its blocks stay while a save or a load
+        of it is in flight (True: vLLM frees them once it comes back in
+        ``finished_sending`` or ``finished_recving``); its pinned path is
+        released once nothing of it is in flight."""
         t = self.reqs.get(request.request_id)
         if t is None:
             return False, None
         t.finished = True
-        delay = t.saves > 0
+        t.delayed = bool(t.saves or t.loads)
         self._release_if_done(t)
-        return delay, None
+        return t.delayed, None
 
     def _release_if_done(self, t: Tracked) -> None:
         if t.finished and not t.loads and not t.saves:
             self.mgr.engine_release(t.creq)
-            del self.reqs[t.request.request_id]
+            self.reqs.pop(t.request.request_id, None)
 
     # ---------------------------------------------------------------- steps
     def build_meta(self, scheduler_output) -> tuple[set[str], set[int]]:
@@ -222,10 +305,14 @@ class SchedulerHalf:
             output.finished_sending = (output.finished_sending or set()) | self.sent
             self.sent = set()
 
+    def end_step(self, seconds: float) -> None:
+        self.mgr.record_engine_step(seconds)
+        self.hook_s = 0.0
+
     def _preempted(self, rid: str) -> None:
         """vLLM freed the request's blocks and will compute it again: its planned
-        saves are dropped, those in flight waited for (this step's forward may
-        write the blocks), its path let go (its blocks stay cached)."""
+        saves are dropped (their blocks may be reused), those in flight copy on
+        from blocks they hold; its path is let go once they land."""
         t = self.reqs.get(rid)
         if t is None:
             return
@@ -237,20 +324,40 @@ class SchedulerHalf:
             else:
                 kept.append(plan)
         self.saves = kept
-        for save, owners in self.saving:
-            if save is not None and t in owners:
-                save.handle.wait(self.mgr.cfg.task_timeout_s + 5.0)
-        self._poll_saves()
-        if not t.loads:  # a load in flight keeps the path until it lands
-            self._renew(t)
+        self._renew(t)
 
     def _renew(self, t: Tracked) -> None:
         """Let go of the path the request's loads and saves pinned (its blocks stay
         cached): vLLM computes the request again, or loads it anew."""
-        if t.creq.n_path and not t.saves:
+        if t.creq.n_path and not t.saves and not t.loads:
             self.mgr.engine_release(t.creq)
             t.creq = self.mgr.engine_request(list(t.request.block_hashes[:t.n_keys]))
 
+    # ------------------------------------------------------------ block pins
+    def _pin(self, block_ids: list[int]) -> None:
+        """Hold vLLM's blocks that a copy reads: nothing reuses them until unpinned."""
+        if self.block_pool is None:
+            return
+        self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
+        self.pins.update(block_ids)
+
+    def _unpin(self, block_ids: list[int]) -> None:
+        if self.block_pool is None:
+            return
+        self.block_pool.free_blocks([self.block_pool.blocks[i] for i in block_ids])
+        self.pins.subtract(block_ids)
+        for i in block_ids:
+            if self.pins[i] <= 0:
+                del self.pins[i]
+
+    def pending_block_frees(self) -> bool:
+        """Whether a save in flight holds blocks nothing else does: they are free
+        once it lands, so vLLM may wait for them rather than preempt."""
+        pool = self.block_pool
+        return pool is not None and any(pool.blocks[i].ref_cnt == n
+                                        for i, n in self.pins.items())
+
+    # ------------------------------------------------------------------ saves
     def _run_saves(self) -> None:
         """Submit the saves that are due, as one task."""
         due, batch, owners = [], [], []
@@ -262,50 +369,31 @@ class SchedulerHalf:
             batch.append((t.creq, min(plan.blocks, t.n_keys), plan.device_ids))
             owners.append(t)
         if owners:
-            self.saving.append((self.mgr.engine_save(batch), owners))
+            save = self.mgr.engine_save(batch)
+            src = list(save.handle.task.src) if save is not None else []
+            self._pin(src)
+            self.saving.append((save, owners, src))
 
     def _poll_saves(self) -> None:
         still = []
-        for save, owners in self.saving:
+        for save, owners, src in self.saving:
             if save is not None and not save.done():
-                still.append((save, owners))
+                still.append((save, owners, src))
                 continue
             if save is not None:
                 self.mgr.engine_finish_save(save)
+            self._unpin(src)
             for t in owners:
                 t.saves -= 1
                 self._save_done(t)
         self.saving = still
 
     def _save_done(self, t: Tracked) -> None:
-        if t.finished and not t.saves:
+        if t.finished and t.delayed and not t.saves and not t.loads:
             self.sent.add(t.request.request_id)
+        if not t.finished and not t.saves and t.saved == 0:
+            self._renew(t)  # preempted: its path goes now that its saves landed
         self._release_if_done(t)
-
-    def _submit_loads(self) -> None:
-        """This step's loads, one task per kind: a swap-in from the CPU tier, a load
-        from storage into the engine's blocks, a load into host blocks only."""
-        batches: dict[tuple[str, bool, int], list[tuple[Task, Part]]] = \
-            collections.defaultdict(list)
-        for i, (t, load) in enumerate(self.planned_loads):
-            for task, part in zip(load.plan.tasks, load.parts, strict=True):
-                # Swap-ins batch (all or nothing); a storage read reports the
-                # prefix it got, which must be this request's alone.
-                key = (task.kind, "device_ids" in task.args, i if task.kind == "load" else -1)
-                batches[key].append((task, part))
-            t.loads.append(load)
-        self.planned_loads.clear()
-        for (kind, _, _), parts in batches.items():
-            merged = Task(kind, [], [], {})
-            for task, part in parts:
-                part.offset, part.length = len(merged.dst), len(task.dst)
-                merged.src += task.src
-                merged.dst += task.dst
-                for key, value in task.args.items():
-                    merged.args.setdefault(key, []).extend(value)
-            handle = self.mgr.submit(merged)
-            for _, part in parts:
-                part.batch = handle
 
     def _plan_saves(self, scheduler_output) -> None:
         """The full blocks this step's forward computes, to copy ``lag`` steps on."""
@@ -325,6 +413,31 @@ class SchedulerHalf:
                 t.saves += 1
                 t.saved = blocks
 
+    # ------------------------------------------------------------------ loads
+    def _submit_loads(self) -> None:
+        """This step's loads, one task per kind: a swap-in from the CPU tier, a load
+        from storage into the engine's blocks, a load into host blocks only."""
+        batches: dict[tuple[str, bool, int], list[tuple[Task, Part]]] = \
+            collections.defaultdict(list)
+        for i, (_, load) in enumerate(self.planned_loads):
+            for task, part in zip(load.plan.tasks, load.parts, strict=True):
+                # Swap-ins batch (all or nothing); a storage read reports the
+                # prefix it got, which must be this request's alone.
+                key = (task.kind, "device_ids" in task.args, i if task.kind == "load" else -1)
+                batches[key].append((task, part))
+        self.planned_loads.clear()
+        for (kind, _, _), parts in batches.items():
+            merged = Task(kind, [], [], {})
+            for task, part in parts:
+                part.offset, part.length = len(merged.dst), len(task.dst)
+                merged.src += task.src
+                merged.dst += task.dst
+                for key, value in task.args.items():
+                    merged.args.setdefault(key, []).extend(value)
+            handle = self.mgr.submit(merged)
+            for _, part in parts:
+                part.batch = handle
+
     def _poll_loads(self, with_failed: bool) -> tuple[set[str], set[int]]:
         """Requests whose loads all completed, and the blocks that did not arrive.
         Without ``with_failed`` a request with a failed load is left for the next
@@ -342,7 +455,7 @@ class SchedulerHalf:
                 t.failed |= bool(lost)
                 bad.update(lost)
             t.loads.clear()
-            done.add(rid)
+            done.add(rid)  # a finished request's blocks are freed by this too
             self._release_if_done(t)
         return done, bad
 

@@ -1,12 +1,13 @@
 """The worker half of the connector: one per vLLM worker process (TP rank).
 
 It hands the rank's KV tensors to the rank's kvcached transfer worker, which
-the scheduler half spawns: on vLLM's CPU build the KV cache (one buffer,
-viewed per layer) is moved into shared memory in place
-(``kvcached.memory.inplace``); on CUDA it is exported by CUDA IPC with the
-rank's KV event, recorded after every forward so that copies are ordered
-after the model's use of the blocks. Either way a descriptor in the run dir
-tells the transfer worker where the planes are.
+the scheduler half spawns: on vLLM's CPU build the KV cache is allocated in
+shared memory in the first place (vLLM's ``get_mem_pool_context``: the
+connector chooses the memory, ``kvcached.memory.shared_alloc``); on CUDA it
+is exported by CUDA IPC with the rank's KV event, recorded after every
+forward so that copies are ordered after the model's use of the blocks.
+Either way a descriptor in the run dir tells the transfer worker where the
+planes are.
 
 The copies themselves never run here: the scheduler half submits them and
 learns when every rank finished. It passes the finished loads (and the
@@ -56,37 +57,32 @@ class WorkerHalf:
         self.run_dir, _ = create_run_dir(str(vconfig.run_dir_of(vllm_config)))
         self.group = vconfig.attention_spec(kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
-        self.regions = []  # shared memory this process holds for the transfer worker
         self.event = None  # the rank's KV event on CUDA
         self.finished: set[str] = set()
         self.load_errors: set[int] = set()
-        if vllm_config.device_config.device_type == "cpu":
-            # vLLM allocates its KV cache next: on pages of its own, so that
-            # it can be moved into shared memory in place (inplace.py)
-            from kvcached.memory.inplace import own_pages_for_large_allocations
-            own_pages_for_large_allocations(True)
+        self.on_cpu = vllm_config.device_config.device_type == "cpu"
+        self.allocations = None  # SharedAllocations: vLLM's KV cache, on CPU
+
+    def mem_pool_context(self):
+        """Where vLLM allocates its KV cache: on CPU, shared memory the transfer
+        worker can map (None: vLLM's default, CUDA IPC exports it as it is)."""
+        if not self.on_cpu:
+            return None
+        from kvcached.memory.shared_alloc import SharedAllocations
+        self.allocations = SharedAllocations(f"kvcached-kv-rank{self.rank}")
+        return self.allocations
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         planes = planes_of(kv_caches, list(self.group.layer_names), self.num_blocks)
-        if planes[0].device.type == "cpu":
-            self._share_cpu(planes)
-        else:
+        if planes[0].device.type == "cuda":
             from kvcached.memory.kvevent import KVEvent
             self.event = KVEvent(self.run_dir, self.rank)
+        elif self.allocations is None or not self.allocations.regions:
+            raise RuntimeError(
+                "kvcached: vLLM allocated its CPU KV cache outside the connector's memory "
+                "(get_mem_pool_context was not used), so the transfer worker cannot reach "
+                "it; this vLLM version is not supported on CPU (kvcached needs vLLM 0.32+)")
         kvshare.export_kv_cache(planes, self.rank, self.run_dir, event=self.event)
-
-    def _share_cpu(self, planes: list[torch.Tensor]) -> None:
-        """Each backing buffer of the planes into shared memory, in place."""
-        from kvcached.memory.inplace import own_pages_for_large_allocations, share_in_place
-        seen = set()
-        for p in planes:
-            storage = p.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            self.regions.append(share_in_place(
-                storage.data_ptr(), storage.nbytes(), f"kvcached-kv-rank{self.rank}", p))
-        own_pages_for_large_allocations(False)  # vLLM's allocations as usual from here
 
     def after_forward(self) -> None:
         """A forward finished on this rank (vLLM's wait_for_save): on CUDA the KV
