@@ -27,6 +27,9 @@ dominate as it does on real models):
    connector changes nothing in the process but where the KV cache lives
    (shared memory, through vLLM's ``get_mem_pool_context``).
    ``--no-reuse-only`` runs just these.
+4. Scheduler time. 64 requests running at once: the time vLLM's scheduler
+   spends in kvcached per step, p50/p99 (target p99 <= 1 ms), as
+   ``kvcached status`` reports it.
 Every mode must give the same greedy outputs.
 
     python scripts/bench_vllm.py [--quick]
@@ -53,10 +56,12 @@ from _bench_util import log, percentile  # noqa: E402
 BS = 32  # vLLM's CPU attention needs a multiple of 32
 FULL = dict(layers=6, hidden=1024, hit_prompts=4, hit_len=2000, hit_rounds=3,
             users=8, turns=5, system=256, first_len=1024, turn_len=256, answer=32, kv_mb=56,
-            noreuse=8, noreuse_len=1000, noreuse_out=32, noreuse_rounds=3)
+            noreuse=8, noreuse_len=1000, noreuse_out=32, noreuse_rounds=3,
+            busy=64, busy_len=256, busy_out=32, busy_kv_mb=256)
 QUICK = dict(layers=2, hidden=128, hit_prompts=2, hit_len=600, hit_rounds=2,
              users=3, turns=3, system=64, first_len=192, turn_len=64, answer=8, kv_mb=6,
-             noreuse=4, noreuse_len=300, noreuse_out=8, noreuse_rounds=1)
+             noreuse=4, noreuse_len=300, noreuse_out=8, noreuse_rounds=1,
+             busy=16, busy_len=96, busy_out=8, busy_kv_mb=8)
 
 
 # ------------------------------------------------------------------ child
@@ -92,7 +97,7 @@ class Server:
         self.llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=BS,
                        enforce_eager=True, dtype="float32", max_model_len=4096,
                        kv_cache_memory_bytes=spec["kv_mb"] << 20, disable_log_stats=True,
-                       max_num_seqs=8, **kw)
+                       max_num_seqs=spec.get("max_num_seqs", 8), **kw)
         self.n = 0
 
     def serve(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -212,6 +217,20 @@ def no_reuse(srv: Server, p: dict) -> dict:
     return {"throughput_tok_s": statistics.median(rates), "rounds": rates, "outputs": outputs}
 
 
+def busy(srv: Server, p: dict, run_dir: str) -> dict:
+    """Many requests running at once (vLLM's scheduler at work each step): the
+    time it spent in kvcached per step, from ``kvcached status``."""
+    prompts = [tokens(7000 + i, p["busy_len"]) for i in range(p["busy"])]
+    t0 = time.perf_counter()
+    res = srv.serve(prompts, p["busy_out"])
+    wall = time.perf_counter() - t0
+    st = subprocess.run([sys.executable, "-m", "kvcached", "status", "--run-dir", run_dir,
+                         "--json"], capture_output=True, text=True, timeout=120)
+    step = json.loads(st.stdout).get("scheduler_step_us", {})
+    return {"requests": len(prompts), "wall_s": wall, "scheduler_step_us": step,
+            "outputs": [r["output"] for r in res]}
+
+
 def child(spec: dict) -> dict:
     p = spec["params"]
     srv = Server(spec)
@@ -224,6 +243,8 @@ def child(spec: dict) -> dict:
             out[phase] = per_hit(srv, p, connector=spec["connector"] is not None)
         elif phase == "restart_hit":
             out[phase] = restart_hit(srv, p)
+        elif phase == "busy":
+            out[phase] = busy(srv, p, spec["connector"]["kv_connector_extra_config"]["run_dir"])
         elif phase == "chat":
             srv.reset()
             out[phase] = chat(srv, p)
@@ -232,16 +253,16 @@ def child(spec: dict) -> dict:
 
 # ----------------------------------------------------------------- parent
 def run_mode(name: str, model: str, p: dict, connector: dict | None,
-             phases: list[str], env_extra: dict | None = None) -> dict:
+             phases: list[str], max_num_seqs: int = 8) -> dict:
     # The result travels in a file: vLLM's processes share the child's stdout
     # and may write to it at any moment, even mid-line.
     result = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-")) / "result.json"
     spec = {"name": name, "model": model, "params": p, "connector": connector,
-            "phases": phases, "kv_mb": p["kv_mb"], "result": str(result)}
+            "phases": phases, "kv_mb": p["kv_mb"], "result": str(result),
+            "max_num_seqs": max_num_seqs}
     t = time.monotonic()
     # vLLM's own progress stays quiet; its warnings and ours reach stderr.
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-           **(env_extra or {})}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                          stdout=sys.stderr, timeout=3600, env=env)
     if res.returncode or not result.exists():
@@ -306,6 +327,10 @@ def summary(modes: dict, p: dict) -> dict:
                            "kvcached_storage_after_restart": med(rs["restart_hit"]["storage"]),
                            "example_connector": med(ex["per_hit"]["conn"])},
         "cpu_hit_vs_own_hit": med(pairs),
+        "cpu_hit_vs_own_hit_spread": {"pairs": len(pairs), "p10": percentile(pairs, 0.1),
+                                      "p90": percentile(pairs, 0.9)},
+        "scheduler_step_us": modes["busy"]["busy"]["scheduler_step_us"],
+        "busy_running_requests": modes["busy"]["busy"]["requests"],
         "example_vs_own_hit": med(ex["per_hit"]["conn"]) / med(ex["per_hit"]["own"]),
         "cpu_hit_blocks_served": min(hit["conn_cached"]) / full,
         "storage_hit_blocks_served": min(rs["restart_hit"]["cached"]) / full,
@@ -363,6 +388,9 @@ def main() -> None:
                                 ["restart_hit"]),
             "example": run_mode("example", model, p, example_connector(work / "example"),
                                 ["per_hit", "chat"]),
+            "busy": run_mode("busy", model, {**p, "kv_mb": p["busy_kv_mb"]},
+                             kvcached_connector(work / "run4", work / "store4", cpu_blocks),
+                             ["busy"], max_num_seqs=p["busy"]),
         }
         if not args.quick:
             # A second process of each, in turn: one vLLM process runs up to

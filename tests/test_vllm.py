@@ -251,3 +251,6 @@ def test_bench_vllm_quick():
     assert set(out["no_reuse_throughput_tok_s"]) == {"plain", "kvcached"}
     assert all(out["no_reuse_throughput_tok_s"].values())
     assert -1 < out["no_reuse_throughput_lost"] < 1
+    step = out["scheduler_step_us"]  # the scheduler's time in kvcached, from status
+    assert step["steps"] > 0 and 0 < step["p50"] <= step["p99"] <= step["max"]
+    assert out["cpu_hit_vs_own_hit_spread"]["pairs"] == 4  # 2 prompts x 2 rounds

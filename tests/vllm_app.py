@@ -8,7 +8,8 @@ prompt set ``name``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
 (SIGKILL rank 0's transfer worker; ``restarts`` reports it came back),
 ``["ctl", op]`` (``kvcached ctl op``), ``["status"]``, ``["corrupt", dir, n]`` (every
 n-th stored object damaged), ``["signal", pid, name]`` (e.g. freeze a storage
-server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``). Prompt sets are token ids made from the spec's ``prompts``:
+server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``), ``["abort_after", name, n]``
+(the set's requests aborted after n engine steps). Prompt sets are token ids made from the spec's ``prompts``:
 ``{name: [[seed, length], ...]}``. vLLM spawns processes: hence the main guard.
 """
 
@@ -91,6 +92,26 @@ def wait_worker_back(run_dir: str, old_pid: int, deadline_s: float = 60.0) -> in
                        f"within {deadline_s}s")
 
 
+def abort_after(llm, prompt_set: list[list[int]], sp, steps: int) -> dict:
+    """Submit the prompts, run ``steps`` engine steps (their loads start), abort
+    every request, then step until vLLM has none left."""
+    from vllm.inputs import TokensPrompt
+    eng = llm.llm_engine
+    ids = [f"abort-{i}" for i in range(len(prompt_set))]
+    for rid, p in zip(ids, prompt_set, strict=True):
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+    for _ in range(steps):
+        eng.step()
+    eng.abort_request(ids)
+    deadline = time.monotonic() + 120
+    n = 0
+    while eng.has_unfinished_requests():
+        assert time.monotonic() < deadline, "aborted requests never left vLLM"
+        eng.step()
+        n += 1
+    return {"aborted": len(ids), "steps_after": n}
+
+
 def main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -151,6 +172,8 @@ def main(spec: dict) -> dict:
         elif step[0] == "signal":  # ["signal", pid, "SIGSTOP" | "SIGCONT" | "SIGKILL"]
             os.kill(int(step[1]), getattr(signal, step[2]))
             out["steps"].append({"step": step})
+        elif step[0] == "abort_after":  # ["abort_after", name, steps]: abort mid-flight
+            out["steps"].append({"step": step, **abort_after(llm, sets[step[1]], sp, step[2])})
         elif step[0] == "preemptions":
             out["steps"].append({"step": step,
                                  "preemptions": metric(llm, "vllm:num_preemptions")})

@@ -135,6 +135,21 @@ class SavePlan:
     rid: str
     blocks: int
     device_ids: list[int]
+    attempt: int = 1
+
+
+@dataclass
+class Saving:
+    """A save task in flight: the plans it copies and the blocks it holds."""
+
+    save: EngineSave | None
+    plans: list[SavePlan]
+    src: list[int]
+
+
+# A save stops at a block another request is saving or loading (nothing may
+# hang under an unfinished copy): it is tried again once that lands, a few times.
+SAVE_ATTEMPTS = 4
 
 
 class SchedulerHalf:
@@ -159,7 +174,7 @@ class SchedulerHalf:
         self.mgr = CacheManager(cfg).start()
         self.reqs: dict[str, Tracked] = {}
         self.saves: collections.deque[SavePlan] = collections.deque()  # planned
-        self.saving: list[tuple[EngineSave | None, list[Tracked], list[int]]] = []  # in flight
+        self.saving: list[Saving] = []  # in flight
         self.sent: set[str] = set()  # finished requests whose saves are done
         self.step = 0
         self.planned_loads: list[tuple[Tracked, Load]] = []
@@ -360,33 +375,45 @@ class SchedulerHalf:
     # ------------------------------------------------------------------ saves
     def _run_saves(self) -> None:
         """Submit the saves that are due, as one task."""
-        due, batch, owners = [], [], []
+        due, batch = [], []
         while self.saves and self.saves[0].step + self.lag <= self.step:
             due.append(self.saves.popleft())
         for plan in due:
             t = self.reqs[plan.rid]
             self.track(t.request)
             batch.append((t.creq, min(plan.blocks, t.n_keys), plan.device_ids))
-            owners.append(t)
-        if owners:
+        if due:
             save = self.mgr.engine_save(batch)
             src = list(save.handle.task.src) if save is not None else []
             self._pin(src)
-            self.saving.append((save, owners, src))
+            self.saving.append(Saving(save, due, src))
 
     def _poll_saves(self) -> None:
         still = []
-        for save, owners, src in self.saving:
-            if save is not None and not save.done():
-                still.append((save, owners, src))
+        for s in self.saving:
+            if s.save is not None and not s.save.done():
+                still.append(s)
                 continue
-            if save is not None:
-                self.mgr.engine_finish_save(save)
-            self._unpin(src)
-            for t in owners:
+            if s.save is not None:
+                self.mgr.engine_finish_save(s.save)
+            self._unpin(s.src)
+            for plan in s.plans:
+                t = self.reqs[plan.rid]
+                self._retry_if_short(t, plan)
                 t.saves -= 1
                 self._save_done(t)
         self.saving = still
+
+    def _retry_if_short(self, t: Tracked, plan: SavePlan) -> None:
+        """Plan the save again if it stopped short (at a block another request was
+        moving), unless the request was preempted since (its blocks went back)."""
+        if plan.attempt >= SAVE_ATTEMPTS or t.saved < plan.blocks:
+            return
+        blocks = min(plan.blocks, t.n_keys)
+        if self.mgr.engine_cpu_prefix(t.creq, blocks)[0] < blocks:
+            self.saves.append(SavePlan(self.step, plan.rid, plan.blocks, plan.device_ids,
+                                       plan.attempt + 1))
+            t.saves += 1
 
     def _save_done(self, t: Tracked) -> None:
         if t.finished and t.delayed and not t.saves and not t.loads:
