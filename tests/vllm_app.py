@@ -9,7 +9,9 @@ prompt set ``name``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
 ``["ctl", op]`` (``kvcached ctl op``), ``["status"]``, ``["corrupt", dir, n]`` (every
 n-th stored object damaged), ``["signal", pid, name]`` (e.g. freeze a storage
 server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``), ``["abort_after", name, n]``
-(the set's requests aborted after n engine steps). Prompt sets are token ids made from the spec's ``prompts``:
+(the set's requests aborted after n engine steps), ``["touch", path]`` /
+``["wait_file", path]`` (two instances in step), ``["wait_stored", n]`` (n blocks
+written to storage). Prompt sets are token ids made from the spec's ``prompts``:
 ``{name: [[seed, length], ...]}``. vLLM spawns processes: hence the main guard.
 """
 
@@ -92,6 +94,18 @@ def wait_worker_back(run_dir: str, old_pid: int, deadline_s: float = 60.0) -> in
                        f"within {deadline_s}s")
 
 
+def wait_stored(run_dir: str, blocks: int, deadline_s: float = 120.0) -> int:
+    """Wait until this instance wrote at least ``blocks`` blocks to storage;
+    returns how many it wrote."""
+    end = time.monotonic() + deadline_s
+    while True:
+        stored = status(run_dir)["stats"]["storage"].get("stored", 0)
+        if stored >= blocks:
+            return stored
+        assert time.monotonic() < end, f"{stored} of {blocks} blocks stored"
+        time.sleep(0.1)
+
+
 def abort_after(llm, prompt_set: list[list[int]], sp, steps: int) -> dict:
     """Submit the prompts, run ``steps`` engine steps (their loads start), abort
     every request, then step until vLLM has none left."""
@@ -120,7 +134,7 @@ def main(spec: dict) -> dict:
         kw["kv_transfer_config"] = {
             "kv_connector": spec.get("connector", "KvcachedConnector"),
             "kv_connector_module_path": spec.get("module", "kvcached.integrations.vllm"),
-            "kv_role": "kv_both", "kv_connector_extra_config": spec["extra"],
+            "kv_role": spec.get("role", "kv_both"), "kv_connector_extra_config": spec["extra"],
             "kv_load_failure_policy": spec.get("load_failure_policy", "recompute")}
     # vLLM's scheduling: a small token budget chunks every prompt; few blocks
     # make it queue and preempt
@@ -174,6 +188,17 @@ def main(spec: dict) -> dict:
             out["steps"].append({"step": step})
         elif step[0] == "abort_after":  # ["abort_after", name, steps]: abort mid-flight
             out["steps"].append({"step": step, **abort_after(llm, sets[step[1]], sp, step[2])})
+        elif step[0] == "touch":  # ["touch", path]: tell another instance
+            Path(step[1]).touch()
+            out["steps"].append({"step": step})
+        elif step[0] == "wait_file":  # ["wait_file", path]: wait for another instance
+            deadline = time.monotonic() + 600
+            while not Path(step[1]).exists():
+                assert time.monotonic() < deadline, f"{step[1]} never appeared"
+                time.sleep(0.1)
+            out["steps"].append({"step": step})
+        elif step[0] == "wait_stored":  # ["wait_stored", n]: n blocks written to storage
+            out["steps"].append({"step": step, "stored": wait_stored(run_dir, step[1])})
         elif step[0] == "preemptions":
             out["steps"].append({"step": step,
                                  "preemptions": metric(llm, "vllm:num_preemptions")})

@@ -168,6 +168,10 @@ class SchedulerHalf:
             logger.warning("kvcached: %s", why)
         self.block_size = cfg.block_size
         self.lag = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
+        # kv_producer saves and never loads, kv_consumer loads and never saves
+        # (disaggregated prefill); kv_both does both.
+        role = vllm_config.kv_transfer_config
+        self.loads_on, self.saves_on = role.is_kv_consumer, role.is_kv_producer
         self.lookup_timeout_s = cfg.storage_lookup_timeout_s
         # A prefix moving for another request lands within a task's time.
         self.move_wait_s = cfg.task_timeout_s
@@ -206,8 +210,8 @@ class SchedulerHalf:
         limit = min((request.num_tokens - 1) // bs, t.n_keys)  # one token left to compute
         local = num_computed_tokens // bs
         t.hit = (local, 0, 0)
-        if limit <= local or t.failed:  # after a failed load: no second try, no livelock
-            return 0, False
+        if limit <= local or t.failed or not self.loads_on:
+            return 0, False  # after a failed load: no second try, no livelock
         if t.saves:  # preempted while its saves copy: its blocks are about to be cached
             return None, False
         now = time.monotonic()
@@ -424,6 +428,8 @@ class SchedulerHalf:
 
     def _plan_saves(self, scheduler_output) -> None:
         """The full blocks this step's forward computes, to copy ``lag`` steps on."""
+        if not self.saves_on:
+            return
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
