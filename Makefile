@@ -41,7 +41,7 @@ $(VLLM_STAMP): $(STAMP)
 	touch $(VLLM_STAMP)
 
 test: $(STAMP) $(SERVICES) $(VLLM_STAMP)
-	$(VPY) -m pytest -q -ra
+	$(VPY) -m pytest -q -ra --durations=25
 
 lint: $(STAMP)
 	$(VPY) -m ruff check kvcached tests scripts

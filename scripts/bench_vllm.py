@@ -34,6 +34,9 @@ Every mode must give the same greedy outputs.
 
     python scripts/bench_vllm.py [--quick]
 
+``--quick`` is a smoke run of the script (a tiny model; no ExampleConnector;
+the scheduler phase in the kvcached process; one process per mode).
+
 Progress on stderr; the last line on stdout is JSON ``{"bench": "vllm", ...}``.
 """
 
@@ -306,43 +309,51 @@ def no_reuse_summary(modes: dict) -> dict:
 
 
 def summary(modes: dict, p: dict) -> dict:
-    plain, kv, ex, rs = modes["plain"], modes["kvcached"], modes["example"], modes["restart"]
+    plain, kv, rs = modes["plain"], modes["kvcached"], modes["restart"]
+    ex = modes.get("example")  # not in --quick
+    busy = modes.get("busy", kv)["busy"]
     hit = kv["per_hit"]
     pairs = [c / o for c, o in zip(hit["conn"], hit["own"][:len(hit["conn"])], strict=True)]
     med = statistics.median
     full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
-    chats = {m: modes[m]["chat"] for m in ("plain", "example", "kvcached")}
+    chats = {m: modes[m]["chat"] for m in ("plain", "example", "kvcached") if m in modes}
     ref = plain["per_hit"]["outputs"]
     same = {"per_hit_kvcached": hit["outputs"] == ref,
-            "per_hit_example": ex["per_hit"]["outputs"] == ref,
             "restart": rs["restart_hit"]["outputs"] == ref,
             "chat_kvcached": chats["kvcached"]["outputs"] == chats["plain"]["outputs"],
-            "chat_example": chats["example"]["outputs"] == chats["plain"]["outputs"],
             "no_reuse": no_reuse_summary(modes)["no_reuse_identical"]}
+    if ex:
+        same.update(per_hit_example=ex["per_hit"]["outputs"] == ref,
+                    chat_example=chats["example"]["outputs"] == chats["plain"]["outputs"])
     least = chats["kvcached"]["least_computed_tokens"] / chats["kvcached"]["prompt_tokens"]
     got = chats["kvcached"]["computed_tokens"] / chats["kvcached"]["prompt_tokens"]
-    return {
-        "per_hit_ttft_s": {"full_prefill": med(plain["per_hit"]["cold"]),
-                           "vllm_own_hit": med(hit["own"]), "kvcached_cpu": med(hit["conn"]),
-                           "kvcached_storage_after_restart": med(rs["restart_hit"]["storage"]),
-                           "example_connector": med(ex["per_hit"]["conn"])},
+    ttft = {"full_prefill": med(plain["per_hit"]["cold"]), "vllm_own_hit": med(hit["own"]),
+            "kvcached_cpu": med(hit["conn"]),
+            "kvcached_storage_after_restart": med(rs["restart_hit"]["storage"])}
+    out = {
+        "per_hit_ttft_s": ttft,
         "cpu_hit_vs_own_hit": med(pairs),
         "cpu_hit_vs_own_hit_spread": {"pairs": len(pairs), "p10": percentile(pairs, 0.1),
                                       "p90": percentile(pairs, 0.9)},
-        "scheduler_step_us": modes["busy"]["busy"]["scheduler_step_us"],
-        "busy_running_requests": modes["busy"]["busy"]["requests"],
-        "example_vs_own_hit": med(ex["per_hit"]["conn"]) / med(ex["per_hit"]["own"]),
+        "storage_hit_vs_own_hit": ttft["kvcached_storage_after_restart"] / ttft["vllm_own_hit"],
+        "scheduler_step_us": busy["scheduler_step_us"],
+        "busy_running_requests": busy["requests"],
         "cpu_hit_blocks_served": min(hit["conn_cached"]) / full,
         "storage_hit_blocks_served": min(rs["restart_hit"]["cached"]) / full,
         "chat": {m: {k: v for k, v in c.items() if k != "outputs"} for m, c in chats.items()},
         "chat_ttft_vs_no_connector": chats["kvcached"]["ttft_mean_s"]
         / chats["plain"]["ttft_mean_s"],
-        "chat_ttft_vs_example": chats["kvcached"]["ttft_mean_s"] / chats["example"]["ttft_mean_s"],
         "chat_computed_share": got, "chat_least_computed_share": least,
         "chat_points_above_least": 100 * (got - least),
         **{k: v for k, v in no_reuse_summary(modes).items() if k != "no_reuse_identical"},
         "identical_outputs": all(same.values()), "identical": same,
     }
+    if ex:
+        ttft["example_connector"] = med(ex["per_hit"]["conn"])
+        out["example_vs_own_hit"] = med(ex["per_hit"]["conn"]) / med(ex["per_hit"]["own"])
+        out["chat_ttft_vs_example"] = (chats["kvcached"]["ttft_mean_s"]
+                                       / chats["example"]["ttft_mean_s"])
+    return out
 
 
 def no_reuse_modes(model: str, p: dict, work: Path, cpu_blocks: int, twice: bool) -> dict:
@@ -377,22 +388,24 @@ def main() -> None:
             print(json.dumps({"bench": "vllm_no_reuse", **no_reuse_modes(
                 model, p, work, cpu_blocks, twice=not args.quick)}), flush=True)
             return
+        kv_phases = ["no_reuse", "per_hit", "chat"]
         modes = {
-            "plain": run_mode("plain", model, p, None, ["no_reuse", "per_hit", "chat"]),
+            "plain": run_mode("plain", model, p, None, kv_phases),
+            # --quick (a smoke run): the busy phase in this process, no example
             "kvcached": run_mode("kvcached", model, p,
                                  kvcached_connector(work / "run1", store, cpu_blocks),
-                                 ["no_reuse", "per_hit", "chat"]),
-
+                                 kv_phases + ["busy"] * args.quick),
             "restart": run_mode("restart", model, p,
                                 kvcached_connector(work / "run2", store, cpu_blocks),
                                 ["restart_hit"]),
-            "example": run_mode("example", model, p, example_connector(work / "example"),
-                                ["per_hit", "chat"]),
-            "busy": run_mode("busy", model, {**p, "kv_mb": p["busy_kv_mb"]},
-                             kvcached_connector(work / "run4", work / "store4", cpu_blocks),
-                             ["busy"], max_num_seqs=p["busy"]),
         }
         if not args.quick:
+            modes["example"] = run_mode("example", model, p, example_connector(work / "example"),
+                                        ["per_hit", "chat"])
+            modes["busy"] = run_mode("busy", model, {**p, "kv_mb": p["busy_kv_mb"]},
+                                     kvcached_connector(work / "run4", work / "store4",
+                                                        cpu_blocks),
+                                     ["busy"], max_num_seqs=p["busy"])
             # A second process of each, in turn: one vLLM process runs up to
             # ~1.5x faster than another of the same configuration here.
             modes["plain2"] = run_mode("plain2", model, p, None, ["no_reuse"])

@@ -60,3 +60,20 @@ def make_manager(tmp_path):
     yield make
     for mgr in made:
         mgr.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory) -> str:
+    """Where the vLLM tests' small random Llama lives (made by the first run)."""
+    return str(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def vllm_plain(vllm_model) -> dict:
+    """vLLM without a connector, every prompt set of ``vllm_runs`` (each in one
+    ``generate``): what the connector's runs must reproduce token for token."""
+    from vllm_runs import PROMPTS, by_set, run_app
+    res = run_app({"model": vllm_model, "extra": None, "prompts": PROMPTS,
+                   "steps": [["generate", name] for name in PROMPTS]})
+    return by_set(res)
+

@@ -13,58 +13,25 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from vllm_runs import APP, BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_share
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
-APP = Path(__file__).with_name("vllm_app.py")
-BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
-# Prompt sets: (seed, length); full blocks 21, 15, 31, 2 (a partial block each).
-PROMPTS = {"p": [[1, 700], [2, 500], [3, 1000], [4, 90]]}
-DEADLINE_S = 600
-
-
-def run_app(spec: dict, env: dict | None = None, check: bool = True) -> dict | subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory(prefix="kvcached-vllm-app-") as tmp:
-        result = Path(tmp) / "result.json"
-        res = subprocess.run([sys.executable, str(APP), json.dumps(spec), str(result)],
-                             capture_output=True, text=True, timeout=DEADLINE_S,
-                             env={**os.environ, **(env or {})})
-        if not check:
-            return res
-        assert res.returncode == 0 and result.is_file(), \
-            f"vLLM run failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-        return json.loads(result.read_text())
-
-
-def generated(result: dict) -> list[dict]:
-    return [s for s in result["steps"] if s["step"][0] == "generate"]
-
-
-def full_blocks_served(step: dict, prompts: list[list[int]]) -> list[float]:
-    """Per prompt, the share of its full blocks (those vLLM may take from a cache:
-    one token is always computed) that came cached."""
-    out = []
-    for (_, length), cached in zip(prompts, step["cached"], strict=True):
-        full = (length - 1) // BLOCK * BLOCK
-        out.append(cached / full if full else 1.0)
-    return out
+PROMPTS = {"p": SINGLE}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("model") / "tiny-llama")
+def model(vllm_model) -> str:
+    return vllm_model
 
 
 @pytest.fixture(scope="module")
-def baseline(model) -> list[list[int]]:
+def baseline(vllm_plain) -> list[list[int]]:
     """Greedy outputs without a connector."""
-    res = run_app({"model": model, "extra": None, "prompts": PROMPTS,
-                   "steps": [["generate", "p"]]})
-    return generated(res)[0]["outputs"]
+    return vllm_plain["p"]["outputs"]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +61,7 @@ def test_cpu_tier_serves_identical_outputs(served, baseline):
     cold, warm = generated(served)[:2]
     assert cold["outputs"] == baseline
     assert warm["outputs"] == baseline
-    assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+    assert min(served_share(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
     status = next(s["status"] for s in served["steps"] if s["step"] == ["status"])
     assert status["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
     assert status["stats"]["tiers"]["cpu"]["used"] >= sum(warm["cached"]) // BLOCK
@@ -108,7 +75,7 @@ def test_killed_worker_is_a_miss_then_comes_back(served, baseline):
     during, after = generated(served)[2:4]
     assert during["outputs"] == baseline  # lost loads were recomputed, not used
     assert after["outputs"] == baseline
-    assert min(full_blocks_served(after, PROMPTS["p"])) >= 0.9, after["cached"]
+    assert min(served_share(after, PROMPTS["p"])) >= 0.9, after["cached"]
 
 
 def test_ctl_pause_and_sleep_against_running_vllm(served, baseline):
@@ -119,21 +86,7 @@ def test_ctl_pause_and_sleep_against_running_vllm(served, baseline):
     assert paused["outputs"] == baseline and paused["cached"] == [0, 0, 0, 0]
     assert asleep["outputs"] == baseline and asleep["cached"] == [0, 0, 0, 0]
     assert awake["outputs"] == baseline
-    assert min(full_blocks_served(awake, PROMPTS["p"])) >= 0.9, awake["cached"]
-
-
-def test_storage_serves_a_fresh_vllm(served, model, storage, baseline, tmp_path):
-    """A new vLLM process (new run dir, empty CPU tier) over the same file store."""
-    del served  # it filled the store
-    extra = {"num_cpu_blocks": 512, "run_dir": str(tmp_path / "run"),
-             "storage_backend": "file", "storage_url": str(storage)}
-    res = run_app({"model": model, "extra": extra, "prompts": PROMPTS,
-                   "steps": [["generate", "p"], ["status"]]})
-    (step,) = generated(res)
-    assert step["outputs"] == baseline
-    assert min(full_blocks_served(step, PROMPTS["p"])) >= 0.9, step["cached"]
-    status = res["steps"][1]["status"]
-    assert status["stats"]["hit_tokens"]["storage"] == sum(step["cached"])
+    assert min(served_share(awake, PROMPTS["p"])) >= 0.9, awake["cached"]
 
 
 def test_load_failure_policy_fail_stops_vllm_with_the_fix(model, tmp_path):
@@ -168,7 +121,7 @@ def test_tensor_parallel_two_ranks(tmp_path):
     res = run_app(spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     cold, warm = generated(res)
     assert warm["outputs"] == cold["outputs"]
-    assert min(full_blocks_served(warm, spec["prompts"]["p"])) >= 0.9, warm["cached"]
+    assert min(served_share(warm, spec["prompts"]["p"])) >= 0.9, warm["cached"]
     status = res["steps"][-1]["status"]
     assert sorted((w["rank"], w["state"]) for w in status["workers"]) == [(0, "ready"),
                                                                           (1, "ready")]
@@ -195,7 +148,7 @@ def test_cuda_ipc_path(model, tmp_path):
                    "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]})
     cold, warm = generated(res)
     assert cold["outputs"] == warm["outputs"] == generated(plain)[0]["outputs"]
-    assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+    assert min(served_share(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
     assert res["steps"][-1]["status"]["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
 
 
@@ -231,7 +184,7 @@ def test_workers_from_kvcached_launch(model, baseline, tmp_path):
     res = json.loads(result.read_text())
     cold, warm = generated(res)
     assert cold["outputs"] == warm["outputs"] == baseline
-    assert min(full_blocks_served(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+    assert min(served_share(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
 
 
 def test_bench_vllm_quick():

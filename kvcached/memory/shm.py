@@ -80,8 +80,8 @@ def segment_name(owner_pid: int, rid: str, rank: int, kind: str) -> str:
 def segment_path(name: str) -> Path:
     """Path of segment ``name`` (rejects names that would escape the shm directory).
     A memory file another process holds open (``/proc/<pid>/fd/<n>``: an
-    engine's KV planes moved into shared memory in place, kvcached.memory.inplace)
-    is its own path."""
+    engine's KV cache allocated in a memfd, kvcached.memory.shared_alloc) is
+    its own path."""
     if _PROC_FD_RE.match(name or ""):
         return Path(name)
     if not name or "/" in name or name in (".", ".."):
