@@ -35,7 +35,7 @@ Every mode must give the same greedy outputs.
     python scripts/bench_vllm.py [--quick]
 
 ``--quick`` is a smoke run of the script (a tiny model; no ExampleConnector;
-the scheduler phase in the kvcached process; one process per mode).
+the scheduler phase in the kvcached process; vLLM's engine in one process).
 
 Progress on stderr; the last line on stdout is JSON ``{"bench": "vllm", ...}``.
 """
@@ -64,7 +64,7 @@ FULL = dict(layers=6, hidden=1024, hit_prompts=4, hit_len=2000, hit_rounds=3,
 QUICK = dict(layers=2, hidden=128, hit_prompts=2, hit_len=600, hit_rounds=2,
              users=3, turns=3, system=64, first_len=192, turn_len=64, answer=8, kv_mb=6,
              noreuse=4, noreuse_len=300, noreuse_out=8, noreuse_rounds=1,
-             busy=16, busy_len=96, busy_out=8, busy_kv_mb=8)
+             busy=16, busy_len=96, busy_out=8, busy_kv_mb=8, one_process=True)
 
 
 # ------------------------------------------------------------------ child
@@ -135,6 +135,8 @@ class Server:
         while not self.llm.reset_prefix_cache():
             if time.monotonic() > deadline:
                 raise RuntimeError("vLLM's prefix cache never became free to reset")
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                self.llm.llm_engine.step()  # an engine core in this process steps when asked
             time.sleep(0.05)
 
 
@@ -266,6 +268,8 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
     t = time.monotonic()
     # vLLM's own progress stays quiet; its warnings and ours reach stderr.
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if p.get("one_process"):  # vLLM in one process starts in seconds, not tens
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                          stdout=sys.stderr, timeout=3600, env=env)
     if res.returncode or not result.exists():

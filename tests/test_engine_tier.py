@@ -7,6 +7,7 @@ it, as the connector's worker half does; real transfer worker processes copy.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 import torch
@@ -253,3 +254,30 @@ def test_scheduler_step_time_in_status(engine):
     step = mgr.status()["scheduler_step_us"]
     assert step == {"steps": 100, "p50": 10.0, "p99": 900.0, "max": 900.0}
     assert "p50 10.0 us, p99 900.0 us" in render_status(mgr.status())
+
+
+def test_kv_events_of_the_cpu_tier_and_storage_name_the_engine_hashes(engine, tmp_path):
+    """What the vLLM connector hands to vLLM's KV events: each block stored in
+    or removed from the CPU tier or storage, by its key (``engine_keys``: the
+    connector names it by vLLM's own hash)."""
+    planes, mgr = engine(num_cpu_blocks=4, storage_backend="file",
+                         storage_url=str(tmp_path / "store"))
+    mgr.keep_kv_events()
+    a, b = engine_hashes("a", 3), engine_hashes("b", 3)
+    saver = mgr.engine_request(a)
+    save(mgr, [(saver, 3, [0, 1, 2])])
+    mgr.engine_release(saver)
+    got: list = []
+    deadline = time.monotonic() + 30  # storage writes land after the save
+    while sum(1 for s, tier, _ in got if s and tier == "storage") < 3:
+        assert time.monotonic() < deadline, got
+        got += mgr.take_kv_events()
+        time.sleep(0.01)
+    ka, kb = mgr.engine_keys(a), mgr.engine_keys(b)
+    assert [h for s, tier, h in got if s and tier == "cpu"] == ka
+    assert sorted(h for s, tier, h in got if s and tier == "storage") == sorted(ka)
+    save(mgr, [(mgr.engine_request(b), 3, [3, 4, 5])])  # 4 CPU blocks: 2 of a leave
+    got = mgr.take_kv_events()
+    assert [h for s, tier, h in got if s and tier == "cpu"] == kb
+    assert len([h for s, tier, h in got if not s and tier == "cpu"]) == 2
+    assert {h for s, tier, h in got if not s} <= set(ka)

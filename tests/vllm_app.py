@@ -3,12 +3,18 @@ JSON spec in one vLLM process and prints one JSON line with what each step saw.
 
     python tests/vllm_app.py '{"model": DIR, "extra": {...} | null, "steps": [...]}'
 
+vLLM runs in this one process unless the spec says ``"multiprocess": true``
+(vLLM's own layout: an engine-core process and one worker process per rank).
+
 Steps: ``["generate", name]`` (greedy outputs and ``num_cached_tokens`` of the
 prompt set ``name``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
 (SIGKILL rank 0's transfer worker; ``restarts`` reports it came back),
 ``["ctl", op]`` (``kvcached ctl op``), ``["status"]``, ``["corrupt", dir, n]`` (every
 n-th stored object damaged), ``["signal", pid, name]`` (e.g. freeze a storage
-server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``), ``["abort_after", name, n]``
+server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``), ``["metrics", prefix, ...]``
+(vLLM's metrics of those names; needs ``log_stats``), ``["events", {medium: n}]`` (vLLM's KV
+events once n blocks were stored in each medium; needs ``kv_events``, a socket path),
+``["abort_after", name, n]``
 (the set's requests aborted after n engine steps), ``["touch", path]`` /
 ``["wait_file", path]`` (two instances in step), ``["wait_stored", n]`` (n blocks
 written to storage). Prompt sets are token ids made from the spec's ``prompts``:
@@ -72,6 +78,69 @@ def metric(llm, name: str) -> float:
     return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
 
 
+def metrics(llm, prefixes: list[str]) -> dict:
+    """vLLM's metrics whose names start with one of ``prefixes``:
+    ``{name{label=value,...}: value}`` (histograms: their count)."""
+    out = {}
+    for m in llm.get_metrics():
+        if any(m.name.startswith(p) for p in prefixes):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
+                              if k not in ("engine", "model_name"))
+            out[f"{m.name}{{{labels}}}"] = getattr(m, "value", getattr(m, "count", None))
+    return out
+
+
+class KVEvents:
+    """vLLM's KV events, read back from its publisher's replay socket (every
+    batch since start-up: a subscriber could miss those sent before it joined)."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint  # the replay endpoint
+        self.events: list = []
+
+    def replay(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(self.endpoint)
+        try:
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            events = []
+            while True:
+                assert sock.poll(30_000), "vLLM's KV event replay did not answer"
+                _, _, seq, payload = sock.recv_multipart()
+                if seq == ZmqEventPublisher.END_SEQ:
+                    break
+                events += dec.decode(payload).events
+            self.events = events
+        finally:
+            sock.close(linger=0)
+
+    def hashes(self, kind: str, medium: str) -> set:
+        return {h for e in self.events if type(e).__name__ == kind and e.medium == medium
+                for h in e.block_hashes}  # AllBlocksCleared (a reset) has neither
+
+    def summary(self, want: dict[str, int], idle, deadline_s: float = 60.0) -> dict:
+        """Once at least ``want[medium]`` blocks were stored in each medium:
+        blocks stored and removed per medium, and whether every block kvcached
+        stored in its CPU tier is one vLLM stored first (named by vLLM's hash)."""
+        end = time.monotonic() + deadline_s
+        while True:
+            self.replay()
+            got = {m: len(self.hashes("BlockStored", m)) for m in want}
+            if all(got[m] >= n for m, n in want.items()):
+                break
+            assert time.monotonic() < end, f"KV events: {got} blocks stored, wanted {want}"
+            idle()
+        media = {e.medium for e in self.events if hasattr(e, "medium")}
+        return {"stored": {m: len(self.hashes("BlockStored", m)) for m in media},
+                "removed": {m: len(self.hashes("BlockRemoved", m)) for m in media},
+                "cpu_named_by_vllm": self.hashes("BlockStored", "CPU")
+                <= self.hashes("BlockStored", "GPU")}
+
+
 def status(run_dir: str) -> dict:
     res = subprocess.run([sys.executable, "-m", "kvcached", "status", "--run-dir", run_dir,
                           "--json"], capture_output=True, text=True, timeout=60)
@@ -94,7 +163,18 @@ def wait_worker_back(run_dir: str, old_pid: int, deadline_s: float = 60.0) -> in
                        f"within {deadline_s}s")
 
 
-def wait_stored(run_dir: str, blocks: int, deadline_s: float = 120.0) -> int:
+def idle(llm, spec: dict) -> None:
+    """Let vLLM run while the app waits. Its engine core, in a process of its
+    own, steps by itself while finished requests wait for their saves; in this
+    process it steps only when asked."""
+    if spec.get("multiprocess"):
+        time.sleep(0.05)
+    else:
+        llm.llm_engine.step()
+        time.sleep(0.01)
+
+
+def wait_stored(run_dir: str, blocks: int, idle, deadline_s: float = 120.0) -> int:
     """Wait until this instance wrote at least ``blocks`` blocks to storage;
     returns how many it wrote."""
     end = time.monotonic() + deadline_s
@@ -103,7 +183,7 @@ def wait_stored(run_dir: str, blocks: int, deadline_s: float = 120.0) -> int:
         if stored >= blocks:
             return stored
         assert time.monotonic() < end, f"{stored} of {blocks} blocks stored"
-        time.sleep(0.1)
+        idle()
 
 
 def abort_after(llm, prompt_set: list[list[int]], sp, steps: int) -> dict:
@@ -127,6 +207,11 @@ def abort_after(llm, prompt_set: list[list[int]], sp, steps: int) -> dict:
 
 
 def main(spec: dict) -> dict:
+    if not spec.get("multiprocess"):
+        # vLLM's engine core and model runner in this process: the same
+        # connector calls, without two more Python processes to start (tens
+        # of seconds each here); "multiprocess": true runs vLLM's layout.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     kw = {}
@@ -142,6 +227,13 @@ def main(spec: dict) -> dict:
              if k in spec}
     if "max_num_batched_tokens" in spec:
         sched["enable_chunked_prefill"] = True
+    events = None
+    if spec.get("kv_events"):  # vLLM publishes its KV events (and kvcached's) here
+        replay = f"ipc://{spec['kv_events']}-replay"
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": f"ipc://{spec['kv_events']}",
+                                  "replay_endpoint": replay}
+        events = KVEvents(replay)
     t0 = time.monotonic()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=32, enforce_eager=True,
               max_model_len=spec.get("max_model_len", 4096), dtype="bfloat16",
@@ -167,7 +259,7 @@ def main(spec: dict) -> dict:
             deadline = time.monotonic() + 60
             while not llm.reset_prefix_cache():
                 assert time.monotonic() < deadline, "vLLM's prefix cache never became free"
-                time.sleep(0.05)
+                idle(llm, spec)
             out["steps"].append({"step": step})
         elif step[0] == "kill_worker":
             pid = int(worker(run_dir)["pid"])
@@ -195,10 +287,16 @@ def main(spec: dict) -> dict:
             deadline = time.monotonic() + 600
             while not Path(step[1]).exists():
                 assert time.monotonic() < deadline, f"{step[1]} never appeared"
-                time.sleep(0.1)
+                idle(llm, spec)
             out["steps"].append({"step": step})
         elif step[0] == "wait_stored":  # ["wait_stored", n]: n blocks written to storage
-            out["steps"].append({"step": step, "stored": wait_stored(run_dir, step[1])})
+            out["steps"].append({"step": step, "stored": wait_stored(
+                run_dir, step[1], lambda: idle(llm, spec))})
+        elif step[0] == "metrics":  # ["metrics", prefix, ...]: needs log_stats
+            out["steps"].append({"step": step, "metrics": metrics(llm, step[1:])})
+        elif step[0] == "events":  # ["events", {medium: blocks}]: needs kv_events
+            out["steps"].append({"step": step, "events": events.summary(
+                step[1], lambda: idle(llm, spec))})
         elif step[0] == "preemptions":
             out["steps"].append({"step": step,
                                  "preemptions": metric(llm, "vllm:num_preemptions")})

@@ -27,7 +27,8 @@ HEAD = 256  # tokens of a group's shared head (8 blocks)
 GROUPS = [[100 * g + i, 400 + 80 * i + 16 * g, 10 + g, HEAD] for g in range(4) for i in range(4)]
 NEW = [[500 + s, n, 20 + (s // 4), HEAD] for s, (_, n, _, _) in enumerate(GROUPS)]  # unseen
 AFTER = [[900 + s, n] for s, (_, n, _, _) in enumerate(GROUPS)]
-PROMPTS = {"p": SINGLE, "g": GROUPS, "new": NEW, "after": AFTER}
+CONTROL = [[700 + s, n, 30 + (s // 4), HEAD] for s, (_, n, _, _) in enumerate(GROUPS)]  # as NEW
+PROMPTS = {"p": SINGLE, "g": GROUPS, "new": NEW, "after": AFTER, "control": CONTROL}
 
 
 def run_app(spec: dict, env: dict | None = None, check: bool = True) -> dict | subprocess.CompletedProcess:

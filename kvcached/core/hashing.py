@@ -28,6 +28,12 @@ def namespace_hash(model_id: str, weight_version: str, salt: str = "") -> bytes:
     return blake2b(raw, digest_size=DIGEST).digest()
 
 
+def engine_key(namespace: bytes, engine_hash: bytes) -> bytes:
+    """kvcached's key of an engine's own block hash (as the core derives it:
+    the namespace keeps models apart)."""
+    return blake2b(namespace + engine_hash, digest_size=DIGEST).digest()
+
+
 def extra_bytes(extra_key: object) -> bytes:
     """The bytes an extra key contributes to every block hash of a request."""
     if extra_key is None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvcached.config import CacheConfig
 from kvcached.core import _core
-from kvcached.core.hashing import extra_bytes, namespace_hash, token_input
+from kvcached.core.hashing import engine_key, extra_bytes, namespace_hash, token_input
 from kvcached.core.invariants import check
 from kvcached.core.planner import CPU, GPU, Planner
 from kvcached.core.request import RunningRequest
@@ -101,6 +101,7 @@ class CacheManager:
         self._log_file: Path | None = None
         self._ops: list = []  # control server, metrics server, event publisher
         self._events = None  # KVEventPublisher when kv_events_endpoint is set
+        self._kept_events: list | None = None  # for take_kv_events, once kept
         self.metrics = None
         self._host_pools: list[HostPool] = []
         self._created_planes: list[int] = []
@@ -374,9 +375,31 @@ class CacheManager:
 
     def _publish_events(self) -> None:
         """KV events: the blocks that became usable in, or left, a tier."""
-        if self._events is not None:
-            for stored, tier, h in self.core.drain_events():
+        if self._events is None and self._kept_events is None:
+            return
+        for stored, tier, h in self.core.drain_events():
+            if self._events is not None:
                 self._events.publish("stored" if stored else "removed", _TIER_NAMES[tier], [h])
+            if self._kept_events is not None and tier != 0:
+                self._kept_events.append((bool(stored), _TIER_NAMES[tier], h))
+
+    def keep_kv_events(self) -> None:
+        """Keep the KV events of the CPU tier and storage for
+        :meth:`take_kv_events` (an engine that publishes them itself, as vLLM
+        does; its GPU tier's events are the engine's own)."""
+        with self._lock:
+            self._kept_events = []
+            self.core.set_events(True)
+
+    def take_kv_events(self) -> list[tuple[bool, str, bytes]]:
+        """The (stored, tier, block hash) records since the last call."""
+        with self._lock:
+            if self._kept_events is None:
+                return []
+            self.planner.reap()  # finished stores mark their blocks stored
+            self._publish_events()
+            out, self._kept_events = self._kept_events, []
+            return out
 
     # -------------------------------------------------------------- helpers
     def _get(self, request_id: Hashable) -> RunningRequest:
@@ -601,6 +624,11 @@ class CacheManager:
         self._check_external()
         with self._lock:
             return self.core.request_hashes(self._ns, engine_hashes)
+
+    def engine_keys(self, engine_hashes: list[bytes]) -> list[bytes]:
+        """kvcached's keys of engine block hashes: the hashes its KV events name."""
+        ns = self._ns
+        return [engine_key(ns, h) for h in engine_hashes]
 
     def add_engine_hashes(self, creq, engine_hashes: list[bytes]) -> None:
         with self._lock:

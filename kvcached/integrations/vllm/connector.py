@@ -32,10 +32,12 @@ from kvcached.integrations.vllm import config as vconfig
 @dataclass
 class KvcachedMetadata(KVConnectorMetadata):
     """What the scheduler tells every worker each step: the requests whose
-    loads finished, and the engine blocks among them that did not get their KV."""
+    loads finished, the engine blocks among them that did not get their KV,
+    and the finished requests whose saves are all done."""
 
     finished_loads: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
+    finished_saves: set[str] = field(default_factory=set)
 
 
 def _timed(method):
@@ -95,9 +97,12 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.scheduler.after_alloc(request, blocks, num_external_tokens)
 
     @_timed
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        return self.scheduler.hit_sources(request, num_external_tokens)
+
+    @_timed
     def build_connector_meta(self, scheduler_output) -> KvcachedMetadata:
-        finished, errors = self.scheduler.build_meta(scheduler_output)
-        return KvcachedMetadata(finished, errors)
+        return KvcachedMetadata(*self.scheduler.build_meta(scheduler_output))
 
     def update_connector_output(self, connector_output) -> None:
         t0 = time.perf_counter()
@@ -112,6 +117,25 @@ class KvcachedConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         return None  # vLLM's reset_prefix_cache leaves kvcached's tiers as they are
 
+    # -------------------------------------------------------- observability
+    def get_kv_connector_stats(self):
+        # vLLM asks both halves; the numbers are the scheduler's
+        return self.scheduler.take_stats() if self.scheduler is not None else None
+
+    @_timed
+    def take_events(self):
+        return self.scheduler.take_events()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from kvcached.integrations.vllm.observe import KvcachedStats
+        return KvcachedStats(data=data) if data is not None else KvcachedStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from kvcached.integrations.vllm.observe import KvcachedPromMetrics
+        return KvcachedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # --------------------------------------------------------------- worker
     def get_mem_pool_context(self):
         return self.worker.mem_pool_context()
@@ -122,7 +146,8 @@ class KvcachedConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KvcachedMetadata)
-        self.worker.bind(connector_metadata.finished_loads, connector_metadata.load_errors)
+        meta = connector_metadata
+        self.worker.bind(meta.finished_loads, meta.load_errors, meta.finished_saves)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass  # loads were copied between steps, by the transfer workers
@@ -137,7 +162,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.worker.after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.take_finished() or None
+        saves, loads = self.worker.take_finished()
+        return saves or None, loads or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

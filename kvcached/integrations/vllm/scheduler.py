@@ -21,14 +21,18 @@ on I/O or on a worker: vLLM's scheduler never stalls on kvcached.
 - ``build_connector_meta``: (1) the saves of blocks an earlier forward
   computed are submitted, one task for the step; (2) this step's loads are
   submitted (one task per kind); (3) this step's saves are planned; (4) loads
-  that failed are handed to the workers in the metadata, with the blocks that
-  did not arrive; the workers report them to vLLM (``finished_recving`` and
+  that finished since the last report are handed to the workers in the
+  metadata, failed ones with the blocks that did not arrive, and so are
+  finished requests whose saves are done; the workers report them to vLLM
+  (``finished_recving`` / ``finished_sending`` and
   ``get_block_ids_with_load_errors`` in the same pass), so a failed or lost
   load is recomputed, never used.
-- ``update_connector_output`` (after every step): loads that completed are
-  added to ``finished_recving`` directly, saves that completed to
-  ``finished_sending``: the request is scheduled, or its blocks freed, at
-  the next step, without a round trip through the workers.
+- ``update_connector_output`` (after a step whose workers reported): loads
+  that completed whole are added to ``finished_recving`` directly, saves
+  that completed to ``finished_sending``: the request is scheduled, or its
+  blocks freed, at the next step, without a round trip through the workers.
+  vLLM skips this call after a step with no forward and nothing reported,
+  so whatever it would have carried goes through the next metadata instead.
 
 A save planned at step N is copied from step N + lag on, lag being the
 number of batches vLLM keeps in flight (1, or 2 with async scheduling): by
@@ -51,6 +55,7 @@ from dataclasses import dataclass, field
 
 from kvcached.core.manager import CacheManager, EngineLoad, EngineSave
 from kvcached.integrations.vllm import config as vconfig
+from kvcached.integrations.vllm import observe
 from kvcached.memory import kvshare
 from kvcached.transfer.base import Task, TaskHandle, TaskResult
 
@@ -78,6 +83,7 @@ class Tracked:
     creq: object  # the core's request: keys of vLLM's block hashes, the path it holds
     n_keys: int = 0  # vLLM block hashes made keys so far
     saved: int = 0  # blocks up to which saves were planned
+    named: int = 0  # blocks whose vLLM hashes are in SchedulerHalf.names
     hit: tuple[int, int, int] = (0, 0, 0)  # (vLLM's own blocks, CPU tier, storage) at lookup
     split: tuple[int, int] = (0, 0)  # tokens the last load takes from (CPU tier, storage)
     lookup: Lookup | None = None
@@ -98,6 +104,7 @@ class Part:
     batch: TaskHandle | None = None
     offset: int = 0
     length: int = 0
+    submitted: float = 0.0  # time.monotonic()
 
 
 @dataclass
@@ -176,6 +183,14 @@ class SchedulerHalf:
         # A prefix moving for another request lands within a task's time.
         self.move_wait_s = cfg.task_timeout_s
         self.mgr = CacheManager(cfg).start()
+        self.mgr.keep_kv_events()  # vLLM publishes them (take_events)
+        self.block_bytes = cfg.layout.block_bytes * cfg.tp_size
+        self.storage_source = observe.storage_source(cfg.storage_backend)
+        self.stats = observe.KvcachedStats()  # this interval's, for vLLM's stats
+        # kvcached key -> vLLM block hash, for KV events; bounded (a CPU tier's
+        # worth, twice, and room for storage's recent writes)
+        self.names: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self.names_cap = 2 * cfg.num_cpu_blocks + (1 << 16)
         self.reqs: dict[str, Tracked] = {}
         self.saves: collections.deque[SavePlan] = collections.deque()  # planned
         self.saving: list[Saving] = []  # in flight
@@ -264,6 +279,7 @@ class SchedulerHalf:
             stop = local + num_external_tokens // bs
             self._renew(t)
             plan = self.mgr.engine_load(t.creq, local, stop, list(blocks.get_block_ids()[0]))
+            self._name(t, stop)  # blocks storage brings into the CPU tier
             load = Load(plan, [Part() for _ in plan.tasks])
             t.loads.append(load)  # in flight from here: submitted with this step's meta
             self.planned_loads.append((t, load))
@@ -271,17 +287,49 @@ class SchedulerHalf:
             storage = max(0, min(plan.n_cpu + len(plan.nodes), stop) - max(plan.n_cpu, local)) * bs
             t.lookup = None
         t.split = (cpu, num_external_tokens - cpu)
+        for tier, tokens in zip(observe.TIERS, t.split, strict=True):
+            self.stats.count(f"hit_tokens_{tier}", tokens)
+            self.stats.count(f"loaded_bytes_{tier}", tokens // bs * self.block_bytes)
         if not t.counted:
             t.counted = True
             self.mgr.count_engine_request(request.num_tokens, own, cpu, storage)
 
-    def hit_sources(self, request, num_external_tokens: int) -> tuple[int, int]:
-        """The tokens of the request's external hit from (CPU tier, storage)."""
+    def hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The tokens of the request's external hit by vLLM's source names."""
         t = self.reqs.get(request.request_id)
         if t is None or not num_external_tokens:
-            return 0, 0
+            return {}
         cpu = min(t.split[0], num_external_tokens)
-        return cpu, num_external_tokens - cpu
+        return observe.hit_sources(cpu, num_external_tokens - cpu, self.storage_source)
+
+    def take_stats(self) -> observe.KvcachedStats | None:
+        """This interval's stats (None if nothing happened); a new interval starts."""
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, observe.KvcachedStats()
+        return out
+
+    def take_events(self) -> list:
+        """vLLM's KV events for the CPU tier and storage since the last call, by
+        vLLM's block hashes (a block kvcached no longer knows by name goes
+        unreported)."""
+        named = []
+        for stored, tier, key in self.mgr.take_kv_events():
+            h = self.names.get(key)
+            if h is not None:
+                named.append((stored, tier, h))
+        return observe.kv_events(named)
+
+    def _name(self, t: Tracked, blocks: int) -> None:
+        """Remember vLLM's hashes of the blocks a save or a load brings into the
+        CPU tier, by kvcached's keys (what the KV events carry); the oldest
+        names go past a bound."""
+        new = list(t.request.block_hashes[t.named:blocks])
+        for key, h in zip(self.mgr.engine_keys(new), new, strict=True):
+            self.names[key] = h
+        t.named = max(t.named, blocks)
+        while len(self.names) > self.names_cap:
+            self.names.popitem(last=False)
 
     def finished(self, request) -> tuple[bool, None]:
         """vLLM is done with the request. Its blocks stay while a save or a load
@@ -302,9 +350,10 @@ class SchedulerHalf:
             self.reqs.pop(t.request.request_id, None)
 
     # ---------------------------------------------------------------- steps
-    def build_meta(self, scheduler_output) -> tuple[set[str], set[int]]:
+    def build_meta(self, scheduler_output) -> tuple[set[str], set[int], set[str]]:
         """One step (see the module docstring); returns the requests whose loads
-        finished and the engine blocks that did not get their KV."""
+        finished, the engine blocks that did not get their KV, and the finished
+        requests whose saves are all done: the workers report them."""
         self.step += 1
         for rid in scheduler_output.preempted_req_ids or ():
             self._preempted(rid)
@@ -312,7 +361,9 @@ class SchedulerHalf:
         self._submit_loads()
         self._plan_saves(scheduler_output)
         self._poll_saves()
-        return self._poll_loads(with_failed=True)
+        done, bad = self._poll_loads(with_failed=True)
+        sent, self.sent = self.sent, set()
+        return done, bad, sent
 
     def update_output(self, output) -> None:
         """After a step: completed loads and saves go straight to vLLM."""
@@ -340,6 +391,7 @@ class SchedulerHalf:
         for plan in self.saves:
             if plan.rid == rid:
                 t.saves -= 1
+                self.stats.count("saves_dropped")
             else:
                 kept.append(plan)
         self.saves = kept
@@ -386,6 +438,7 @@ class SchedulerHalf:
             t = self.reqs[plan.rid]
             self.track(t.request)
             batch.append((t.creq, min(plan.blocks, t.n_keys), plan.device_ids))
+            self._name(t, min(plan.blocks, t.n_keys))
         if due:
             save = self.mgr.engine_save(batch)
             src = list(save.handle.task.src) if save is not None else []
@@ -400,6 +453,9 @@ class SchedulerHalf:
                 continue
             if s.save is not None:
                 self.mgr.engine_finish_save(s.save)
+                if s.save.done() and s.save.handle.result.ok:
+                    self.stats.count("saved_blocks", len(s.src))
+                    self.stats.count("saved_bytes", len(s.src) * self.block_bytes)
             self._unpin(s.src)
             for plan in s.plans:
                 t = self.reqs[plan.rid]
@@ -470,6 +526,7 @@ class SchedulerHalf:
             handle = self.mgr.submit(merged)
             for _, part in parts:
                 part.batch = handle
+                part.submitted = time.monotonic()
 
     def _poll_loads(self, with_failed: bool) -> tuple[set[str], set[int]]:
         """Requests whose loads all completed, and the blocks that did not arrive.
@@ -483,10 +540,13 @@ class SchedulerHalf:
                 continue
             if not with_failed and not all(load.clean() for load in t.loads):
                 continue
+            now = time.monotonic()
             for load in t.loads:
                 lost = self.mgr.engine_finish_load(load.plan, load.results())
                 t.failed |= bool(lost)
                 bad.update(lost)
+                self.stats.count("load_failed_blocks", len(lost))
+                self.stats.load_took(now - min(p.submitted for p in load.parts))
             t.loads.clear()
             done.add(rid)  # a finished request's blocks are freed by this too
             self._release_if_done(t)

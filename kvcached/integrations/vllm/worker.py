@@ -60,6 +60,7 @@ class WorkerHalf:
         self.event = None  # the rank's KV event on CUDA
         self.finished: set[str] = set()
         self.load_errors: set[int] = set()
+        self.saved: set[str] = set()
         self.on_cpu = vllm_config.device_config.device_type == "cpu"
         self.allocations = None  # SharedAllocations: vLLM's KV cache, on CPU
 
@@ -90,12 +91,15 @@ class WorkerHalf:
         if self.event is not None:
             self.event.record(torch.cuda.current_stream())
 
-    def bind(self, finished: set[str], load_errors: set[int]) -> None:
+    def bind(self, finished: set[str], load_errors: set[int], saved: set[str]) -> None:
         self.finished = set(finished)
         self.load_errors = set(load_errors)
+        self.saved = set(saved)
 
-    def take_finished(self) -> set[str]:
-        out, self.finished = self.finished, set()
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """(finished requests whose saves are done, requests whose loads are)."""
+        out = self.saved, self.finished
+        self.saved, self.finished = set(), set()
         return out
 
     def take_load_errors(self) -> set[int]:
