@@ -68,7 +68,7 @@ def task_payload() -> bytes:
 
 def _time_tasks(transfer, kind: str, n: int, first: int) -> list[float]:
     """Microseconds of submit -> wait for ``n`` one-block ``kind`` tasks."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     samples = []
     clock = time.perf_counter
     for i in range(first, first + n):

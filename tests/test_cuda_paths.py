@@ -29,7 +29,7 @@ from kvcached.copy import cuda as kvc
 from kvcached.memory import cuda_ipc, kvevent, kvshare
 from kvcached.memory.cuda_ipc import DeviceInfo, map_device, normalize_pci_bus_id
 from kvcached.memory.kvevent import EventClock, EventStamper, KVEvent, OrderingError
-from kvcached.transfer.base import Task
+from kvcached.tasks import Task
 from kvcached.transfer.executor import RankExecutor
 
 REPO = Path(__file__).resolve().parents[1]

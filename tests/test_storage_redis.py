@@ -208,7 +208,7 @@ def test_frozen_storage_never_delays_swaps(server, tmp_path):
     from conftest import tiny_config
 
     from kvcached.core.manager import CacheManager
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     cfg = tiny_config(run_dir=str(tmp_path / "run"), storage_backend="redis",
                       storage_url=server.url, transfer_mode="workers",
                       num_gpu_blocks=8, num_cpu_blocks=8)

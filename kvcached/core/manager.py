@@ -39,7 +39,8 @@ from kvcached.memory.kvshare import allocate_kv_cache, rank_device, release_kv_c
 from kvcached.memory.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.memory.shm import cleanup_stale_segments
 from kvcached.ops.logs import setup_process_logging, stop_process_logging
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.tasks import Task, TaskHandle, TaskResult
+from kvcached.transfer.base import Transfer
 from kvcached.transfer.factory import make_transfer
 from kvcached.types import Allocation, CacheStats, HitInfo
 

@@ -36,8 +36,8 @@ from typing import Any
 import zmq
 
 from kvcached.config import CacheConfig
+from kvcached.tasks import Task
 from kvcached.transfer import protocol as P
-from kvcached.transfer.base import Task
 from kvcached.transfer.endpoints import CONFIG_FILE, ENGINE_FILE, coordinator_endpoint
 from kvcached.transfer.executor import RankExecutor
 from kvcached.transfer.fastpath import swap_server

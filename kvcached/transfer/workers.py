@@ -47,8 +47,9 @@ import zmq
 
 from kvcached.config import CacheConfig
 from kvcached.memory.rundir import write_engine_file
+from kvcached.tasks import Task, TaskHandle, TaskResult, merge_results
 from kvcached.transfer import protocol as P
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer, merge_results
+from kvcached.transfer.base import Transfer
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
 from kvcached.transfer.fastpath import done_parser
 from kvcached.transfer.peers import PeerTracker

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from kvcached.core.manager import CacheManager, EngineLoad, EngineSave
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.memory import kvshare
-from kvcached.transfer.base import Task, TaskHandle, TaskResult
+from kvcached.tasks import Task, TaskHandle, TaskResult
 
 # Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
 logger = logging.getLogger("vllm.kvcached")
