@@ -56,8 +56,7 @@ from pathlib import Path
 import _fastdeploy_baseline as fastdeploy
 from _bench_util import Progress, emit, log, percentile, short_tmp_dir
 
-from kvcached import CacheConfig
-from kvcached.core.manager import CacheManager
+from kvcached import CacheConfig, CacheManager
 from kvcached.tools.workload import iter_chat_workload, replay
 
 BLOCK_SIZE = 64

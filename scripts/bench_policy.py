@@ -167,8 +167,7 @@ def manager_replay(requests: list[ChatRequest], capacity: int, block_size: int,
     blocks: ``{"hit_rate", "rejected", "requests_per_s", "per_request"}`` (the
     rate counts the manager's calls only; ``per_request``: each request's GPU hit
     blocks). ``policy`` None is the manager's default."""
-    from kvcached import CacheConfig
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheConfig, CacheManager
 
     extra = {} if policy is None else {"eviction_policy": policy}
     seen = [0]

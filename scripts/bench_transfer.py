@@ -134,8 +134,7 @@ class EchoFleet:
 def latency_at(tp: int, iters: int, warmup: int, payload: bytes, chunk: int = 100) -> dict:
     """Task and raw round-trip latency at ``tp`` ranks, measured in alternating
     chunks of ``chunk`` calls so that both see the same state of the machine."""
-    from kvcached import CacheConfig
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheConfig, CacheManager
     with short_tmp_dir("kvbt-") as d:
         fleet = EchoFleet(tp, payload, d)
         try:

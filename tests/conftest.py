@@ -7,8 +7,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from kvcached import CacheConfig
-from kvcached.core.manager import CacheManager
+from kvcached import CacheConfig, CacheManager
 
 # CI runs the same examples every time (a red CI must be reproducible); a
 # developer's runs explore new ones, and keep any failure in .hypothesis/.

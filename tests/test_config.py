@@ -219,7 +219,7 @@ def test_invalid_value_names_field_value_and_allowed(key, value, message):
 
 
 def test_eviction_policy_reaches_the_core(monkeypatch, tmp_path):
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     kw = dict(num_gpu_blocks=8, num_cpu_blocks=4, transfer_mode="inprocess",
               check_host_memory=False)
     for policy, tiers in (("adaptive", {"policy", "params", "gpu", "cpu"}), ("lru", {"policy"})):

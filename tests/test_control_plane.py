@@ -170,7 +170,7 @@ ENGINE = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from conftest import tiny_config
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     mgr = CacheManager(tiny_config(run_dir={run_dir!r}, num_cpu_blocks=4)).start()
     print(mgr.run_dir, flush=True)
     time.sleep(600)

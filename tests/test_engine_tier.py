@@ -11,8 +11,7 @@ import hashlib
 import pytest
 import torch
 
-from kvcached import CacheConfig
-from kvcached.core.manager import CacheManager
+from kvcached import CacheConfig, CacheManager
 from kvcached.memory import kvshare
 from kvcached.memory.shared_alloc import shared_empty
 

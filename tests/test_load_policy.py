@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import tiny_config
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.storage import file as file_mod
 from kvcached.transfer.executor import LOAD_CHUNK
 

@@ -27,7 +27,7 @@ import torch
 import zmq
 from conftest import tiny_config, toks
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.memory import shm
 from kvcached.memory.hostpool import HostPool
 from kvcached.memory.kvshare import allocate_kv_cache, release_kv_cache

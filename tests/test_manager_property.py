@@ -27,8 +27,7 @@ from reference.compare import diff, reference_state, state
 from reference.manager import CacheManager as ReferenceManager
 from reference.policy import AdaptivePolicy, replay_calls
 
-from kvcached import NoFreeBlocks, TransferFailed
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager, NoFreeBlocks, TransferFailed
 
 BS = 4
 # Few distinct block values so that prompts share prefixes and collide often.

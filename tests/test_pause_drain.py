@@ -11,8 +11,7 @@ from click.testing import CliRunner
 from conftest import tiny_config, toks
 from helpers import wait_for
 
-from kvcached import CacheAsleep
-from kvcached.core.manager import CacheManager
+from kvcached import CacheAsleep, CacheManager
 from kvcached.ops.cli import main
 from kvcached.ops.ctlserver import ControlServer, request
 

@@ -28,8 +28,7 @@ from reference.policy import (
 )
 from reference.simulator import BlockRequest, block_key, simulate, to_block_requests
 
-from kvcached import CacheConfig
-from kvcached.core.manager import CacheManager
+from kvcached import CacheConfig, CacheManager
 from kvcached.tools.workload import (
     generate_chat_workload,
     iter_think_time_workload,

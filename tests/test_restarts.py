@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import tiny_config, toks
 from helpers import wait_for
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.ops.cli import main
 from kvcached.transfer.restarts import backoff_s, count_crash, may_restart
 from kvcached.transfer.workers import WorkerTransfer

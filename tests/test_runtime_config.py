@@ -15,7 +15,7 @@ from pathlib import Path
 from conftest import tiny_config, toks
 from helpers import wait_for
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.storage.objects import storage_namespace
 from kvcached.transfer.endpoints import CONFIG_FILE
 

@@ -16,8 +16,7 @@ import torch
 from conftest import tiny_config, toks
 from helpers import pid_alive, wait_for
 
-from kvcached import NoFreeBlocks, TransferFailed, WorkerLost
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager, NoFreeBlocks, TransferFailed, WorkerLost
 from kvcached.memory.kvshare import attach_kv_cache
 
 FAST = dict(transfer_mode="workers", heartbeat_interval_s=0.1, worker_timeout_s=1.5,
@@ -181,7 +180,7 @@ ENGINE = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from conftest import tiny_config
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     cfg = tiny_config(transfer_mode="workers", tp_size=2, heartbeat_interval_s=0.1,
                       worker_timeout_s=1.5, engine_timeout_s=3.0, num_cpu_blocks=4)
     mgr = CacheManager(cfg).start()

@@ -49,9 +49,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvcached.core.manager import CacheManager, EngineLoad, EngineSave
+from kvcached.core.manager import EngineLoad, EngineSave
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.memory import kvshare
+from kvcached.ops.wiring import CacheManager
 from kvcached.tasks import Task, TaskHandle, TaskResult
 
 # Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
