@@ -65,14 +65,18 @@ class BlockingManager:
     def __init__(self, run_dir):
         self.run_dir = run_dir
         self.release = threading.Event()
+        self.entered = threading.Semaphore(0)  # one release per op that started blocking
+
+    def _block(self) -> dict:
+        self.entered.release()
+        self.release.wait(30)
+        return {"changed": True}
 
     def pause(self):
-        self.release.wait(30)
-        return {"changed": True}
+        return self._block()
 
     def sleep(self, **kw):
-        self.release.wait(30)
-        return {"changed": True}
+        return self._block()
 
     def status(self):
         return {"paused": True, "stats": {}, "workers": []}
@@ -88,7 +92,8 @@ def test_status_is_answered_while_blocking_ops_wait(tmp_path):
                for op in ("pause", "sleep", "pause")]
         for t in ops:
             t.start()
-        time.sleep(0.2)  # let them occupy the op threads (the point: they block)
+        for _ in range(2):  # both op threads are taken (the third op queues)
+            assert mgr.entered.acquire(timeout=10), "the blocking ops never started"
         t0 = time.monotonic()
         assert request(tmp_path, "status", timeout_s=5)["paused"]
         assert time.monotonic() - t0 < 1.0

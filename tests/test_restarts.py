@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -65,7 +64,8 @@ def test_a_rank_healthy_for_a_while_keeps_its_budget_and_restart_workers_brings_
                       num_cpu_blocks=8, max_worker_restarts=1, worker_stable_s=STABLE_S)
     with CacheManager(cfg) as mgr:
         assert kill_and_wait(mgr, "ready")["crashes"] == 1
-        time.sleep(STABLE_S + 0.3)  # it stays up longer than worker_stable_s...
+        wait_for(lambda: worker(mgr)["ready_s"] > STABLE_S + 0.1, STABLE_S + 30,
+                 "rank 0 to stay up longer than worker_stable_s")  # so...
         w = kill_and_wait(mgr, "ready")  # ...so this crash starts the count over
         assert w["crashes"] == 1 and w["restarts"] == 2 and mgr.transfer.healthy
         assert round_trip(mgr, "a") == 8  # the CPU tier still serves
