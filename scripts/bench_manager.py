@@ -68,7 +68,7 @@ TINY = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="bfloat16", mla=True
 CHAT = dict(num_system_prompts=4, system_tokens=4864, turn_tokens=(256, 1024),
             output_tokens=(128, 512), max_turns=24, concurrent_conversations=32)
 TARGET_RATIO = 1.5
-FASTDEPLOY_US_PER_BLOCK = (5.0, 15.0)  # quoted for this machine (issue 2)
+FASTDEPLOY_US_PER_BLOCK = (5.0, 15.0)  # the range quoted for this machine
 SPEED_TARGET_TIMES = 10.0  # an order of magnitude cheaper per block
 
 

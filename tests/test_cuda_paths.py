@@ -463,8 +463,8 @@ def test_rank_device(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 def test_create_cache_on_cuda_without_a_gpu_fails_at_start(tmp_path):
     """create_cache with device='cuda' allocates the planes in start(): without a GPU
-    it says so at once (it used to allocate nothing, and the workers waited for a
-    descriptor until they timed out), and leaves nothing behind."""
+    it says so at once (the workers do not wait for a descriptor until they time
+    out), and leaves nothing behind."""
     from kvcached import CacheManager
     from kvcached.memory import shm
     cfg = tiny_config(device="cuda", create_cache=True, num_cpu_blocks=4,

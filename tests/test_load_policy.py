@@ -1,6 +1,6 @@
 """Storage load policies against a slow backend: best_effort, timeout and
 wait_complete must load different amounts, as documented (best_effort and
-timeout used to send the same deadline).
+timeout send different deadlines).
 
 The backend is the file store with every read made slow (READ_S per batch
 of up to LOAD_CHUNK blocks): the prompt's 64 stored blocks take four reads.

@@ -24,8 +24,8 @@ def submitted(mgr) -> dict:
 
 
 def test_while_paused_cpu_hits_are_misses_and_no_request_waits(tmp_path):
-    """A CPU-tier prefix used to get its swap-in planned and held: wait()
-    blocked until resume (0 requests served in a 10 s pause)."""
+    """While paused, a CPU-tier prefix is served as a miss: no swap-in is
+    planned and held, so no wait() blocks until resume."""
     cfg = tiny_config(**FAST, run_dir=str(tmp_path / "run"), tp_size=2, num_gpu_blocks=8,
                       num_cpu_blocks=8, storage_backend="file",
                       storage_url=str(tmp_path / "store"))
@@ -83,8 +83,8 @@ class BlockingManager:
 
 
 def test_status_is_answered_while_blocking_ops_wait(tmp_path):
-    """A pause draining and a sleep waiting used to take both op threads, and
-    status waited behind them until its deadline."""
+    """With a pause draining and a sleep waiting on both op threads, status is
+    still answered at once (it has a thread of its own)."""
     mgr = BlockingManager(tmp_path)
     server = ControlServer(mgr).start()
     try:
@@ -152,7 +152,7 @@ def test_a_drain_that_times_out_changes_nothing(make_manager):
 
 
 def test_ctl_sleep_drain_through_the_control_socket(make_manager):
-    """`ctl sleep` failed whenever a request was in flight (3 of 5 tries)."""
+    """`ctl sleep` refuses while a request runs; `ctl sleep --drain` waits for it."""
     mgr = running_manager(make_manager)
     rd = str(mgr.run_dir)
     res = CliRunner().invoke(main, ["ctl", "sleep", "--run-dir", rd])

@@ -1,4 +1,4 @@
-"""The native core's adaptive eviction policy (issue 23) against its reference.
+"""The native core's adaptive eviction policy against its reference.
 
 - The reference policy's calls (tests/reference/policy.py ``Recorder``), on
   random call sequences and on workloads through the tree simulator, are

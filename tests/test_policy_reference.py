@@ -1,5 +1,5 @@
 """The reference eviction policies, the tree-semantics simulator and the workloads
-of issue 23 (``tests/reference``, ``kvcached.tools.workload``).
+they are measured on (``tests/reference``, ``kvcached.tools.workload``).
 
 Scenarios drive the policies through the simulator (or their interface
 directly) with hand-made block chains; the simulator's LRU is checked hit

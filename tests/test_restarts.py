@@ -104,7 +104,8 @@ def test_restart_workers_refuses_launched_workers(tmp_path):
 
 
 def test_worker_entries_have_the_same_keys_before_the_first_heartbeat(tmp_path):
-    """`stats().workers` used to lack queues/done/fast/... until a heartbeat came."""
+    """`stats().workers` has queues/done/fast/... from the start, not only after a
+    heartbeat."""
     cfg = tiny_config(**FAST, run_dir=str(tmp_path / "run"), tp_size=1, num_cpu_blocks=4)
     early = WorkerTransfer(cfg, tmp_path / "run").stats()["workers"][0]
     with CacheManager(cfg) as mgr:

@@ -1,6 +1,6 @@
 """A restarted worker serves the engine's current weights and storage, not its
-start-up config (update_weights and attach_storage used to be lost on a
-worker restart). Real worker processes; what a worker serves is read from the
+start-up config (update_weights and attach_storage survive a worker
+restart). Real worker processes; what a worker serves is read from the
 file store it writes to."""
 
 from __future__ import annotations
