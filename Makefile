@@ -49,8 +49,7 @@ lint: $(STAMP)
 cuda: $(STAMP)
 	$(VPY) -m kvcached.copy.cuda --build
 
-# The manager's benchmark (issue 2's targets, FastDeploy's manager as the
-# baseline); the others are scripts/bench_*.py. Each ends with a JSON line.
+# The manager's benchmark (FastDeploy's manager as the baseline); the others are scripts/bench_*.py. Each ends with a JSON line.
 bench: $(STAMP)
 	$(VPY) scripts/bench_manager.py
 

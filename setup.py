@@ -22,7 +22,7 @@ message that names the fix: there is no slower fallback to hide it.
 The CUDA copy library is not built here (most machines have no nvcc): its
 sources stay in ``cuda/`` (where the project keeps CUDA code) and ``build_py``
 copies them into the package (``kvcached/copy/cuda_src/``), so a wheel
-carries them and kvcached.copy.cuda builds them with nvcc where it is. An
+carries them and kvcached.cuda_lib builds them with nvcc where it is. An
 editable install reads them from the checkout's ``cuda/``.
 """
 
@@ -92,7 +92,7 @@ class build_py(_build_py):
 
     def run(self):
         super().run()
-        if self.editable_mode:  # kvcached.copy.cuda reads the checkout's cuda/
+        if self.editable_mode:  # kvcached.cuda_lib reads the checkout's cuda/
             return
         missing = [s for s in CUDA_SOURCES if not os.path.isfile(s)]
         if missing:

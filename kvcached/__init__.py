@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 # public name -> the module that defines it
 _EXPORTS = {
     "CacheConfig": "kvcached.config",
-    "CacheManager": "kvcached.core.manager",
+    "CacheManager": "kvcached.ops.wiring",
     "Allocation": "kvcached.types",
     "HitInfo": "kvcached.types",
     "CacheStats": "kvcached.types",
@@ -52,7 +52,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from kvcached.config import CacheConfig
-    from kvcached.core.manager import CacheManager
     from kvcached.errors import CacheAsleep, NoFreeBlocks, TransferFailed, WorkerLost
     from kvcached.memory.kvshare import allocate_kv_cache, attach_kv_cache, export_kv_cache
+    from kvcached.ops.wiring import CacheManager
     from kvcached.types import Allocation, CacheStats, HitInfo

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from kvcached.transfer.base import TaskHandle
+    from kvcached.tasks import TaskHandle
 
 
 class HitInfo(NamedTuple):

@@ -1,6 +1,6 @@
 """Run FastDeploy's prefix-cache manager on kvcached's chat workload, in this process.
 
-Issue 2's speed target is relative: kvcached's allocate+commit+free should cost
+The manager's speed target is relative: kvcached's allocate+commit+free should cost
 an order of magnitude less per block than FastDeploy's manager. Quoting a
 number measured elsewhere is not a measurement, so this module loads
 FastDeploy's own ``prefix_cache_manager.py`` (the Apache-2.0 file in

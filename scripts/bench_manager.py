@@ -56,8 +56,7 @@ from pathlib import Path
 import _fastdeploy_baseline as fastdeploy
 from _bench_util import Progress, emit, log, percentile, short_tmp_dir
 
-from kvcached import CacheConfig
-from kvcached.core.manager import CacheManager
+from kvcached import CacheConfig, CacheManager
 from kvcached.tools.workload import iter_chat_workload, replay
 
 BLOCK_SIZE = 64
@@ -69,7 +68,7 @@ TINY = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="bfloat16", mla=True
 CHAT = dict(num_system_prompts=4, system_tokens=4864, turn_tokens=(256, 1024),
             output_tokens=(128, 512), max_turns=24, concurrent_conversations=32)
 TARGET_RATIO = 1.5
-FASTDEPLOY_US_PER_BLOCK = (5.0, 15.0)  # quoted for this machine (issue 2)
+FASTDEPLOY_US_PER_BLOCK = (5.0, 15.0)  # the range quoted for this machine
 SPEED_TARGET_TIMES = 10.0  # an order of magnitude cheaper per block
 
 

@@ -27,8 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_util import log  # noqa: E402
 
-from kvcached import CacheConfig  # noqa: E402
-from kvcached.core.manager import CacheManager  # noqa: E402
+from kvcached import CacheConfig, CacheManager  # noqa: E402
 
 BLOCK, PER_PROMPT = 64, 32
 

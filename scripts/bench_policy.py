@@ -1,4 +1,4 @@
-"""Eviction policies against LRU and the offline optimum (issue 23).
+"""Eviction policies against LRU and the offline optimum.
 
 For each workload (and seed): the unbounded hit rate (a cache that never
 evicts), then the cache sizes at which LRU gets ~20%, ~50% and ~75% of it
@@ -31,10 +31,10 @@ The optimum is offline and always comes from the simulator.
 ``--ghost-variants`` also runs the adaptive policy with other ghosts at the
 same sizes (``BITS/WIN/FACTOR/WAYS``: entry width, bits of window in it,
 entries per cached block, associativity) and reports each one's ratio to
-LRU and its bytes per cached block (``FACTOR * BITS / 8``): issue 23 asks
-for a few MB per million cached blocks.
+LRU and its bytes per cached block (``FACTOR * BITS / 8``): the ghost should
+take a few MB per million cached blocks.
 
-Targets (issue 23): on ``think``, adaptive >= 1.8x LRU at the 20% point and
+Targets: on ``think``, adaptive >= 1.8x LRU at the 20% point and
 >= 1.15x at the 50% point; never below 0.99x LRU anywhere; with
 ``--manager``, the manager's request rate with the adaptive policy >= 0.8x
 its rate with LRU.
@@ -167,8 +167,7 @@ def manager_replay(requests: list[ChatRequest], capacity: int, block_size: int,
     blocks: ``{"hit_rate", "rejected", "requests_per_s", "per_request"}`` (the
     rate counts the manager's calls only; ``per_request``: each request's GPU hit
     blocks). ``policy`` None is the manager's default."""
-    from kvcached import CacheConfig
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheConfig, CacheManager
 
     extra = {} if policy is None else {"eviction_policy": policy}
     seen = [0]
@@ -267,7 +266,7 @@ def manager_rows(requests: list[ChatRequest], capacity: int, block_size: int,
                  runs: dict[str, SimResult], repeats: int = 3) -> dict:
     """Both policies through the real manager: hit rates (each request's hits
     compared with the simulator's), and the request rate with the adaptive
-    policy over the rate with LRU (issue 23: >= 0.8). The replays alternate
+    policy over the rate with LRU (target: >= 0.8). The replays alternate
     between the policies ``repeats`` times and the best rate of each counts (the
     machine is shared: the best run is the one least disturbed)."""
     out: dict = {}
@@ -342,8 +341,8 @@ def verdict(rows: list[dict]) -> dict:
         for policy in ("lru", "adaptive"):
             out[f"manager_{policy}_match_ok"] = all(r[f"manager_{policy}_same_hits"]
                                                     for r in rows)
-        # Issue 23: adaptive becomes the default once it is never below 0.99x LRU
-        # on any workload of the benchmark through the manager.
+        # adaptive is the default only while it is never below 0.99x LRU on any
+        # workload of the benchmark through the manager.
         out["adaptive_default_ok"] = out["manager_min_ratio"] >= FLOOR_RATIO
     specs = [s for r in rows for s in r.get("ghost_variants", {})]
     if specs:

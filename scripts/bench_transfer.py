@@ -68,7 +68,7 @@ def task_payload() -> bytes:
 
 def _time_tasks(transfer, kind: str, n: int, first: int) -> list[float]:
     """Microseconds of submit -> wait for ``n`` one-block ``kind`` tasks."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     samples = []
     clock = time.perf_counter
     for i in range(first, first + n):
@@ -134,8 +134,7 @@ class EchoFleet:
 def latency_at(tp: int, iters: int, warmup: int, payload: bytes, chunk: int = 100) -> dict:
     """Task and raw round-trip latency at ``tp`` ranks, measured in alternating
     chunks of ``chunk`` calls so that both see the same state of the machine."""
-    from kvcached import CacheConfig
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheConfig, CacheManager
     with short_tmp_dir("kvbt-") as d:
         fleet = EchoFleet(tp, payload, d)
         try:

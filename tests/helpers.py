@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvcached.transfer.base import Task, TaskHandle, TaskResult
+from kvcached.tasks import Task, TaskHandle, TaskResult
 from kvcached.transfer.inprocess import InProcessTransfer
 
 

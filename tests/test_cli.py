@@ -295,7 +295,7 @@ def test_demo_command_is_there():
 
 def test_a_worker_does_not_check_host_memory_the_engine_already_took(tmp_path, monkeypatch):
     """A restarted worker loads a config whose host pools exist already: they
-    take the memory the check looks for, and the worker used to be refused."""
+    take the memory the check looks for, and must not count against the worker."""
     import kvcached.config as config_mod
     from kvcached.config import CacheConfig
     from kvcached.ops.cli import _worker_config

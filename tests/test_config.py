@@ -134,8 +134,8 @@ def test_other_kvcached_env_vars_are_not_config(monkeypatch):
     ("KVCACHED_SOMETHING_ELSE", None),
 ])
 def test_unknown_kvcached_env_var_is_an_error_naming_the_closest(monkeypatch, var, closest):
-    """A misspelled variable used to be ignored silently: the setting it meant
-    to change never took effect."""
+    """A misspelled variable is an error: ignored, the setting it meant to
+    change would silently never take effect."""
     monkeypatch.setenv(var, "64")
     with pytest.raises(ValueError, match=f"unknown environment variable {var}") as e:
         CacheConfig.load()
@@ -219,7 +219,7 @@ def test_invalid_value_names_field_value_and_allowed(key, value, message):
 
 
 def test_eviction_policy_reaches_the_core(monkeypatch, tmp_path):
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     kw = dict(num_gpu_blocks=8, num_cpu_blocks=4, transfer_mode="inprocess",
               check_host_memory=False)
     for policy, tiers in (("adaptive", {"policy", "params", "gpu", "cpu"}), ("lru", {"policy"})):

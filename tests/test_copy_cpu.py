@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference.cpu_copy import ReferenceCpuCopy, block_bytes
 
-from kvcached.copy import _cpu_copy, cpu, native_build
+from kvcached import native_build
+from kvcached.copy import _cpu_copy, cpu
 from kvcached.copy.cpu import CpuCopyEngine
-from kvcached.copy.native_build import BuildError, CompilerNotFound, build_shared_library
 from kvcached.layout import TORCH_DTYPES, KVLayout
+from kvcached.native_build import BuildError, CompilerNotFound, build_shared_library
 
 # Odd head counts / head dims so planes are not multiples of 16 bytes and the
 # host pool has padding between planes that must stay untouched.

@@ -21,8 +21,7 @@ from helpers import FlakyTransfer
 from reference.compare import diff, reference_state, state
 from reference.manager import CacheManager as ReferenceManager
 
-from kvcached import NoFreeBlocks, TransferFailed
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager, NoFreeBlocks, TransferFailed
 
 SETUPS = {
     "gpu only": dict(num_gpu_blocks=10),

@@ -23,8 +23,8 @@ import subprocess
 import numpy as np
 import pytest
 
+from kvcached import native_build
 from kvcached.copy import cuda as kvc
-from kvcached.copy import native_build
 from kvcached.copy.cuda import D2H, H2D, CudaPlane, Status
 from kvcached.layout import KVLayout
 

@@ -429,7 +429,7 @@ SLEEP_CHILD = r"""
 import gc, json, sys, torch
 from kvcached.config import CacheConfig
 from kvcached.copy import cuda as kvc
-from kvcached.transfer.base import Task
+from kvcached.tasks import Task
 from kvcached.transfer.executor import RankExecutor
 cfg = CacheConfig.from_dict(json.loads(sys.argv[2]))
 ex = RankExecutor(cfg, sys.argv[1], 0, owner_pid=int(sys.argv[3]))

@@ -29,7 +29,7 @@ from kvcached.copy import cuda as kvc
 from kvcached.memory import cuda_ipc, kvevent, kvshare
 from kvcached.memory.cuda_ipc import DeviceInfo, map_device, normalize_pci_bus_id
 from kvcached.memory.kvevent import EventClock, EventStamper, KVEvent, OrderingError
-from kvcached.transfer.base import Task
+from kvcached.tasks import Task
 from kvcached.transfer.executor import RankExecutor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -403,7 +403,7 @@ def faulty_workers(tmp_path, monkeypatch):
         [str(inject), str(REPO), os.environ.get("PYTHONPATH", "")]))
     marker = tmp_path / "fault"
     monkeypatch.setenv("KVC_TEST_FATAL_MARKER", str(marker))
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     cfg = tiny_config(transfer_mode="workers", heartbeat_interval_s=0.1, worker_timeout_s=2.0,
                       engine_timeout_s=5.0, task_timeout_s=10.0, worker_start_timeout_s=60.0,
                       run_dir=str(tmp_path / "run"), tp_size=2, num_gpu_blocks=16,
@@ -463,9 +463,9 @@ def test_rank_device(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 def test_create_cache_on_cuda_without_a_gpu_fails_at_start(tmp_path):
     """create_cache with device='cuda' allocates the planes in start(): without a GPU
-    it says so at once (it used to allocate nothing, and the workers waited for a
-    descriptor until they timed out), and leaves nothing behind."""
-    from kvcached.core.manager import CacheManager
+    it says so at once (the workers do not wait for a descriptor until they time
+    out), and leaves nothing behind."""
+    from kvcached import CacheManager
     from kvcached.memory import shm
     cfg = tiny_config(device="cuda", create_cache=True, num_cpu_blocks=4,
                       run_dir=str(tmp_path / "run"))

@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from kvcached import CacheConfig
-from kvcached.core.manager import CacheManager
+from kvcached import CacheConfig, CacheManager
 from kvcached.memory import kvshare
 from kvcached.memory.shared_alloc import shared_empty
 
@@ -198,7 +197,7 @@ def test_a_lost_load_names_every_block_it_owed(engine):
     save(mgr, [(mgr.engine_request(hashes), 3, [0, 1, 2])])
     reader = mgr.engine_request(hashes)
     plan = mgr.engine_load(reader, 0, 3, [4, 5, 6])
-    from kvcached.transfer.base import TaskResult
+    from kvcached.tasks import TaskResult
     lost = [TaskResult(0, False, "worker lost", True) for _ in plan.tasks]
     assert mgr.engine_finish_load(plan, lost) == [4, 5, 6]
     mgr.engine_release(reader)

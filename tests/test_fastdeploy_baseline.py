@@ -1,8 +1,8 @@
 """The benchmark's FastDeploy baseline (scripts/_fastdeploy_baseline.py).
 
 It runs FastDeploy's own manager (shared/reference, executed, not copied) on
-kvcached's chat workload, so issue 2's "an order of magnitude cheaper" is a
-ratio measured in one process. These tests check the harness drives it
+kvcached's chat workload, so the manager's speed target ("an order of
+magnitude cheaper") is a ratio measured in one process. These tests check the harness drives it
 faithfully: on the same requests both managers must serve the same hits per
 tier, which also cross-checks kvcached's LRU against an independent
 implementation (skipped where the reference file is not present). And

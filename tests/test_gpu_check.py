@@ -96,7 +96,7 @@ def fake_gpu_env(tmp_path, nvcc: str, **extra) -> dict:
     (fake / "python").write_text(FAKE_PY.format(python=sys.executable))
     for f in fake.iterdir():
         f.chmod(0o755)
-    from kvcached.copy.native_build import cache_dir
+    from kvcached.native_build import cache_dir
     return {"PATH": f"{fake}:{Path(nvcc).parent}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
             "HOME": str(tmp_path), "PYTHON": str(fake / "python"),
             "KVCACHED_CACHE_DIR": str(cache_dir()), **extra}  # reuse this session's build

@@ -1,6 +1,6 @@
 """Storage load policies against a slow backend: best_effort, timeout and
 wait_complete must load different amounts, as documented (best_effort and
-timeout used to send the same deadline).
+timeout send different deadlines).
 
 The backend is the file store with every read made slow (READ_S per batch
 of up to LOAD_CHUNK blocks): the prompt's 64 stored blocks take four reads.
@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import tiny_config
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.storage import file as file_mod
 from kvcached.transfer.executor import LOAD_CHUNK
 

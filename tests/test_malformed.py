@@ -27,7 +27,7 @@ import torch
 import zmq
 from conftest import tiny_config, toks
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.memory import shm
 from kvcached.memory.hostpool import HostPool
 from kvcached.memory.kvshare import allocate_kv_cache, release_kv_cache
@@ -383,7 +383,7 @@ def test_coordinator_refuses_bad_numbers_from_its_own_rank_and_keeps_serving(sho
     completes the task."""
     import threading
 
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     cfg = tiny_config(transfer_mode="workers", tp_size=1, num_gpu_blocks=8, num_cpu_blocks=8,
                       spawn_workers=False, heartbeat_interval_s=0.2, worker_timeout_s=10.0,
                       engine_timeout_s=20.0, worker_start_timeout_s=30.0,

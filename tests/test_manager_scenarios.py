@@ -296,7 +296,7 @@ def test_request_errors(make_manager):
 def test_allocate_before_start_is_refused(tmp_path):
     from conftest import tiny_config
 
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     mgr = CacheManager(tiny_config(run_dir=str(tmp_path / "r")))
     with pytest.raises(RuntimeError, match="start"):
         mgr.allocate("r", toks(1))

@@ -470,7 +470,7 @@ def test_pause_holds_queued_tasks_and_resume_runs_them_exactly_once(dep):
     mgr.free("r1")
 
     # While paused, a CPU hit is a miss: nothing is planned that would wait for
-    # resume (it used to be held, and wait() blocked until resume).
+    # resume, so wait() does not block until resume.
     done0 = settled_done(dep)
     for name in ("p2", "p3"):
         a = mgr.allocate(name, prompts[name])
@@ -478,7 +478,7 @@ def test_pause_holds_queued_tasks_and_resume_runs_them_exactly_once(dep):
         a.wait(0)  # returns at once
         mgr.free(name)  # never computed: nothing to commit
     # Tasks that do reach a paused coordinator are held, in order, not run.
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     held = [mgr.transfer.submit(Task("noop", [], [])) for _ in range(2)]
     st = request(rd, "status", timeout_s=5)
     assert st["paused"] and st["transfer"]["held"] == 2

@@ -11,8 +11,7 @@ from click.testing import CliRunner
 from conftest import tiny_config, toks
 from helpers import wait_for
 
-from kvcached import CacheAsleep
-from kvcached.core.manager import CacheManager
+from kvcached import CacheAsleep, CacheManager
 from kvcached.ops.cli import main
 from kvcached.ops.ctlserver import ControlServer, request
 
@@ -25,8 +24,8 @@ def submitted(mgr) -> dict:
 
 
 def test_while_paused_cpu_hits_are_misses_and_no_request_waits(tmp_path):
-    """A CPU-tier prefix used to get its swap-in planned and held: wait()
-    blocked until resume (0 requests served in a 10 s pause)."""
+    """While paused, a CPU-tier prefix is served as a miss: no swap-in is
+    planned and held, so no wait() blocks until resume."""
     cfg = tiny_config(**FAST, run_dir=str(tmp_path / "run"), tp_size=2, num_gpu_blocks=8,
                       num_cpu_blocks=8, storage_backend="file",
                       storage_url=str(tmp_path / "store"))
@@ -66,22 +65,26 @@ class BlockingManager:
     def __init__(self, run_dir):
         self.run_dir = run_dir
         self.release = threading.Event()
+        self.entered = threading.Semaphore(0)  # one release per op that started blocking
+
+    def _block(self) -> dict:
+        self.entered.release()
+        self.release.wait(30)
+        return {"changed": True}
 
     def pause(self):
-        self.release.wait(30)
-        return {"changed": True}
+        return self._block()
 
     def sleep(self, **kw):
-        self.release.wait(30)
-        return {"changed": True}
+        return self._block()
 
     def status(self):
         return {"paused": True, "stats": {}, "workers": []}
 
 
 def test_status_is_answered_while_blocking_ops_wait(tmp_path):
-    """A pause draining and a sleep waiting used to take both op threads, and
-    status waited behind them until its deadline."""
+    """With a pause draining and a sleep waiting on both op threads, status is
+    still answered at once (it has a thread of its own)."""
     mgr = BlockingManager(tmp_path)
     server = ControlServer(mgr).start()
     try:
@@ -89,7 +92,8 @@ def test_status_is_answered_while_blocking_ops_wait(tmp_path):
                for op in ("pause", "sleep", "pause")]
         for t in ops:
             t.start()
-        time.sleep(0.2)  # let them occupy the op threads (the point: they block)
+        for _ in range(2):  # both op threads are taken (the third op queues)
+            assert mgr.entered.acquire(timeout=10), "the blocking ops never started"
         t0 = time.monotonic()
         assert request(tmp_path, "status", timeout_s=5)["paused"]
         assert time.monotonic() - t0 < 1.0
@@ -148,7 +152,7 @@ def test_a_drain_that_times_out_changes_nothing(make_manager):
 
 
 def test_ctl_sleep_drain_through_the_control_socket(make_manager):
-    """`ctl sleep` failed whenever a request was in flight (3 of 5 tries)."""
+    """`ctl sleep` refuses while a request runs; `ctl sleep --drain` waits for it."""
     mgr = running_manager(make_manager)
     rd = str(mgr.run_dir)
     res = CliRunner().invoke(main, ["ctl", "sleep", "--run-dir", rd])

@@ -1,4 +1,4 @@
-"""The native core's adaptive eviction policy (issue 23) against its reference.
+"""The native core's adaptive eviction policy against its reference.
 
 - The reference policy's calls (tests/reference/policy.py ``Recorder``), on
   random call sequences and on workloads through the tree simulator, are
@@ -31,10 +31,9 @@ from reference.policy import (
 from reference.simulator import BlockRequest, simulate, to_block_requests
 from test_policy_reference import returning_conversation, tiny_chat, tiny_mix, tiny_think
 
-from kvcached import CacheConfig
+from kvcached import CacheConfig, CacheManager
 from kvcached.core import _core
 from kvcached.core.hashing import namespace_hash
-from kvcached.core.manager import CacheManager
 from kvcached.tools.workload import ChatRequest, replay
 
 # The defaults, and variants that exercise every branch of the port: small and

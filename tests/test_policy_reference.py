@@ -1,5 +1,5 @@
 """The reference eviction policies, the tree-semantics simulator and the workloads
-of issue 23 (``tests/reference``, ``kvcached.tools.workload``).
+they are measured on (``tests/reference``, ``kvcached.tools.workload``).
 
 Scenarios drive the policies through the simulator (or their interface
 directly) with hand-made block chains; the simulator's LRU is checked hit
@@ -28,8 +28,7 @@ from reference.policy import (
 )
 from reference.simulator import BlockRequest, block_key, simulate, to_block_requests
 
-from kvcached import CacheConfig
-from kvcached.core.manager import CacheManager
+from kvcached import CacheConfig, CacheManager
 from kvcached.tools.workload import (
     generate_chat_workload,
     iter_think_time_workload,

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 from click.testing import CliRunner
 from conftest import tiny_config, toks
 from helpers import wait_for
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.ops.cli import main
 from kvcached.transfer.restarts import backoff_s, count_crash, may_restart
 from kvcached.transfer.workers import WorkerTransfer
@@ -65,7 +64,8 @@ def test_a_rank_healthy_for_a_while_keeps_its_budget_and_restart_workers_brings_
                       num_cpu_blocks=8, max_worker_restarts=1, worker_stable_s=STABLE_S)
     with CacheManager(cfg) as mgr:
         assert kill_and_wait(mgr, "ready")["crashes"] == 1
-        time.sleep(STABLE_S + 0.3)  # it stays up longer than worker_stable_s...
+        wait_for(lambda: worker(mgr)["ready_s"] > STABLE_S + 0.1, STABLE_S + 30,
+                 "rank 0 to stay up longer than worker_stable_s")  # so...
         w = kill_and_wait(mgr, "ready")  # ...so this crash starts the count over
         assert w["crashes"] == 1 and w["restarts"] == 2 and mgr.transfer.healthy
         assert round_trip(mgr, "a") == 8  # the CPU tier still serves
@@ -104,7 +104,8 @@ def test_restart_workers_refuses_launched_workers(tmp_path):
 
 
 def test_worker_entries_have_the_same_keys_before_the_first_heartbeat(tmp_path):
-    """`stats().workers` used to lack queues/done/fast/... until a heartbeat came."""
+    """`stats().workers` has queues/done/fast/... from the start, not only after a
+    heartbeat."""
     cfg = tiny_config(**FAST, run_dir=str(tmp_path / "run"), tp_size=1, num_cpu_blocks=4)
     early = WorkerTransfer(cfg, tmp_path / "run").stats()["workers"][0]
     with CacheManager(cfg) as mgr:

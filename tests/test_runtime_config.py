@@ -1,6 +1,6 @@
 """A restarted worker serves the engine's current weights and storage, not its
-start-up config (update_weights and attach_storage used to be lost on a
-worker restart). Real worker processes; what a worker serves is read from the
+start-up config (update_weights and attach_storage survive a worker
+restart). Real worker processes; what a worker serves is read from the
 file store it writes to."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from conftest import tiny_config, toks
 from helpers import wait_for
 
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager
 from kvcached.storage.objects import storage_namespace
 from kvcached.transfer.endpoints import CONFIG_FILE
 

@@ -368,7 +368,7 @@ def test_blockstore_concurrent_store_and_load(tmp_path):
 
 def test_file_store_is_capped_by_default(tmp_path, monkeypatch):
     """storage_max_bytes = 0 (the default) caps the store at a tenth of the free
-    disk (each rank its share); it used to mean unlimited."""
+    disk (each rank its share), not unlimited."""
     import collections
 
     from kvcached.storage import file as file_mod

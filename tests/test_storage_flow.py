@@ -9,8 +9,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from kvcached import TransferFailed
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager, TransferFailed
 from kvcached.memory.kvshare import attach_kv_cache
 
 BS = 16

@@ -12,8 +12,8 @@ from conftest import tiny_config
 from helpers import wait_for
 from test_ops import metric, scrape
 
+from kvcached import CacheManager
 from kvcached.core.hashing import block_hashes, namespace_hash
-from kvcached.core.manager import CacheManager
 from kvcached.ops.cli import main
 
 BS = 4

@@ -261,7 +261,7 @@ def netns_test_manager_restart_hits_from_mooncake(servers, tmp_path):
     """The restart scenario through CacheManager with worker processes."""
     from test_storage_flow import PROMPT, check_bytes, compute_and_store, storage_cfg
 
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     _ready(_backend(servers.url))
     kw = dict(storage_backend="mooncake", storage_url=servers.url, transfer_mode="workers",
               heartbeat_interval_s=0.1, worker_timeout_s=5.0, task_timeout_s=20.0)

@@ -207,8 +207,8 @@ def test_frozen_storage_never_delays_swaps(server, tmp_path):
     lookup hangs on a frozen server, swaps between the tiers complete."""
     from conftest import tiny_config
 
-    from kvcached.core.manager import CacheManager
-    from kvcached.transfer.base import Task
+    from kvcached import CacheManager
+    from kvcached.tasks import Task
     cfg = tiny_config(run_dir=str(tmp_path / "run"), storage_backend="redis",
                       storage_url=server.url, transfer_mode="workers",
                       num_gpu_blocks=8, num_cpu_blocks=8)

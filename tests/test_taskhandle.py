@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from kvcached.transfer.base import Task, TaskHandle, TaskResult
+from kvcached.tasks import Task, TaskHandle, TaskResult
 
 
 def handle() -> tuple[TaskHandle, collections.deque]:

@@ -16,8 +16,7 @@ import torch
 from conftest import tiny_config, toks
 from helpers import pid_alive, wait_for
 
-from kvcached import NoFreeBlocks, TransferFailed, WorkerLost
-from kvcached.core.manager import CacheManager
+from kvcached import CacheManager, NoFreeBlocks, TransferFailed, WorkerLost
 from kvcached.memory.kvshare import attach_kv_cache
 
 FAST = dict(transfer_mode="workers", heartbeat_interval_s=0.1, worker_timeout_s=1.5,
@@ -129,7 +128,7 @@ def test_a_hung_worker_never_blocks_the_engine(workers_manager):
     ZeroMQ's default queues hold (~1000 each side; submit blocked at the 1000th
     before) must return at once; the tasks fail with WorkerLost once the worker
     is declared lost, and the restarted rank serves again."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     mgr = workers_manager(tp_size=1, num_cpu_blocks=4)
     t = mgr.transfer
     victim = mgr.stats().workers[0]["pid"]
@@ -181,7 +180,7 @@ ENGINE = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from conftest import tiny_config
-    from kvcached.core.manager import CacheManager
+    from kvcached import CacheManager
     cfg = tiny_config(transfer_mode="workers", tp_size=2, heartbeat_interval_s=0.1,
                       worker_timeout_s=1.5, engine_timeout_s=3.0, num_cpu_blocks=4)
     mgr = CacheManager(cfg).start()
@@ -237,7 +236,7 @@ def test_mismatched_layout_is_refused_at_handshake(tmp_path):
 
 def test_task_with_out_of_range_ids_fails_cleanly(workers_manager):
     """A bad id fails the task on every rank; no memory is touched; workers live on."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     mgr = workers_manager(tp_size=2, num_cpu_blocks=4)
     planes = attach_kv_cache(mgr.run_dir, 0)
     before = [p.clone() for p in planes]
@@ -251,7 +250,7 @@ def test_task_with_out_of_range_ids_fails_cleanly(workers_manager):
 
 
 def test_control_pause_holds_tasks_and_resume_runs_them_in_order(workers_manager):
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     mgr = workers_manager(tp_size=2, num_cpu_blocks=4)
     t = mgr.transfer
     assert t.control("pause", {}, timeout_s=5)["ok"]
@@ -321,7 +320,7 @@ def test_tasks_flow_when_the_engine_has_many_open_files(workers_manager):
     gets a number above 256, which Python does not cache as one int object. Its
     IO thread must still take submitted tasks (it once compared the fd by
     identity, and every task then waited forever)."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(300)]
     try:
         mgr = workers_manager(num_cpu_blocks=4)
@@ -340,7 +339,7 @@ def test_tasks_flow_when_the_engine_has_many_open_files(workers_manager):
 def test_a_waiting_thread_reads_its_own_answers(workers_manager):
     """The hot path needs no other thread: with the IO thread stalled, the
     submitting thread sends the task and the waiting thread reads the answers."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     t = workers_manager(tp_size=2, num_cpu_blocks=4).transfer
     stalled, release = threading.Event(), threading.Event()
 
@@ -365,7 +364,7 @@ def test_a_waiting_thread_reads_its_own_answers(workers_manager):
 def test_concurrent_waiters_each_get_their_answer_once(workers_manager):
     """One waiter leads at a time; the others sleep on their handles and take
     over when it leaves. Every task completes, each exactly once."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     t = workers_manager(tp_size=2, num_cpu_blocks=8).transfer
     results, errors = {}, []
 
@@ -393,7 +392,7 @@ def test_concurrent_waiters_each_get_their_answer_once(workers_manager):
 def test_close_returns_a_thread_that_waits(workers_manager):
     """close() while a waiter leads on a task that cannot finish (its worker is
     stopped): the waiter comes back with the task failed, nothing hangs."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     t = workers_manager(tp_size=1, num_cpu_blocks=4).transfer
     pid = t.workers[0].pid
     os.kill(pid, signal.SIGSTOP)
@@ -417,7 +416,7 @@ def test_close_returns_a_thread_that_waits(workers_manager):
 def test_submitting_while_closing_never_hangs(workers_manager):
     """Tasks submitted while (or after) the transfer closes all complete: done, or
     failed with "transfer closed"; no wait is left without an answer."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     t = workers_manager(tp_size=1, num_cpu_blocks=4).transfer
     handles, stop = [], threading.Event()
 
@@ -442,7 +441,7 @@ def test_submitting_while_closing_never_hangs(workers_manager):
 def test_small_swaps_take_the_native_path_and_give_the_same_bytes(workers_manager):
     """1-block swaps are served natively (fastpath), a 9-block one by the Python path
     (more than INLINE_MAX_BLOCKS); each moves the right bytes."""
-    from kvcached.transfer.base import Task
+    from kvcached.tasks import Task
     from kvcached.transfer.worker import INLINE_MAX_BLOCKS
     mgr = workers_manager(tp_size=2, num_gpu_blocks=16, num_cpu_blocks=16)
     planes = [attach_kv_cache(mgr.run_dir, r) for r in range(2)]

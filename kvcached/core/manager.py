@@ -12,6 +12,10 @@ The engine's scheduler calls ``allocate`` / ``extend`` / ``commit`` /
 Every call runs under one lock, on the caller's thread; completions the
 transfer queued are applied at the start of the next call or in
 ``Allocation.wait``.
+
+This class starts no process services: the engine log file, the control
+socket, metrics and KV events are wired on top of it by
+:mod:`kvcached.ops.wiring`, whose subclass is the public ``kvcached.CacheManager``.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ from kvcached.memory.hostpool import HostPool
 from kvcached.memory.kvshare import allocate_kv_cache, rank_device, release_kv_cache
 from kvcached.memory.rundir import cleanup_stale_run_dirs, create_run_dir
 from kvcached.memory.shm import cleanup_stale_segments
-from kvcached.ops.logs import setup_process_logging, stop_process_logging
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.tasks import Task, TaskHandle, TaskResult
+from kvcached.transfer.base import Transfer
 from kvcached.transfer.factory import make_transfer
 from kvcached.types import Allocation, CacheStats, HitInfo
 
@@ -98,11 +102,8 @@ class CacheManager:
         self._reqs: dict[Hashable, RunningRequest] = {}
         self._lock = threading.RLock()
         self._transfer = transfer
-        self._log_file: Path | None = None
-        self._ops: list = []  # control server, metrics server, event publisher
-        self._events = None  # KVEventPublisher when kv_events_endpoint is set
+        self._events = None  # where KV events go, once set_event_sink gave one
         self._kept_events: list | None = None  # for take_kv_events, once kept
-        self.metrics = None
         self._host_pools: list[HostPool] = []
         self._created_planes: list[int] = []
         self._started = False
@@ -119,7 +120,6 @@ class CacheManager:
         """Attach (or spawn) the transfer; returns when every rank is ready."""
         if self._started:
             return self
-        self._log_file = setup_process_logging(self.log_dir, "engine")
         self._create_shared_memory()
         if self._transfer is None:
             self._transfer = make_transfer(self.cfg, self.run_dir)
@@ -130,33 +130,17 @@ class CacheManager:
             raise
         self.planner.transfer = self._transfer
         self._started = True
-        try:
-            self._start_ops()
-        except BaseException:
-            self.close()
-            raise
         logger.info("kvcached started: run_dir=%s gpu=%d cpu=%d blocks of %d tokens",
                     self.run_dir, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks,
                     self.block_size)
         return self
 
-    def _start_ops(self) -> None:
-        """The control socket (`kvcached ctl`), metrics and KV events, as configured.
-        Imported only when configured: they need pyzmq (and prometheus-client),
-        which a machine running only the copy path (the GPU check) may lack."""
-        cfg = self.cfg
-        if cfg.control_socket:
-            from kvcached.ops.ctlserver import ControlServer
-            self._ops.append(ControlServer(self).start())
-        if cfg.metrics_port:
-            from kvcached.ops.metrics import MetricsServer
-            self.metrics = MetricsServer(self, cfg.metrics_host, cfg.metrics_port).start()
-            self._ops.append(self.metrics)
-        if cfg.kv_events_endpoint:
-            from kvcached.ops.events import KVEventPublisher
-            self._events = KVEventPublisher(cfg.kv_events_endpoint,
-                                            source=str(self.run_dir)).start()
-            self._ops.append(self._events)
+    def set_event_sink(self, sink) -> None:
+        """Publish KV events to ``sink``: its ``publish(kind, tier, hashes)`` is
+        called with "stored", "removed" or "cleared", "gpu" or "cpu", and the
+        block hashes. The core starts recording events from now on."""
+        with self._lock:
+            self._events = sink
             self.core.set_events(True)
 
     def close(self) -> None:
@@ -164,9 +148,6 @@ class CacheManager:
         if self._closed:
             return
         self._closed = True
-        for op in reversed(self._ops):  # no more control requests while closing
-            op.close()
-        self._ops.clear()
         with self._lock:
             if self._transfer is not None:
                 try:  # pending stores finish first: they are what survives a restart
@@ -175,8 +156,6 @@ class CacheManager:
                     logger.warning("close: %s", e)
                 self._transfer.close()
             self._release_shared_memory()
-        if self._log_file is not None:
-            stop_process_logging(self._log_file)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -29,7 +29,8 @@ from kvcached.config import CacheConfig
 from kvcached.core.request import RunningRequest
 from kvcached.core.stats import Counters
 from kvcached.errors import TransferFailed, WorkerLost
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.tasks import Task, TaskHandle, TaskResult
+from kvcached.transfer.base import Transfer
 from kvcached.types import HitInfo
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import bisect
 import collections
 from typing import Any
 
-from kvcached.transfer.base import Task, TaskResult
+from kvcached.tasks import Task, TaskResult
 from kvcached.types import CacheStats, HitInfo, TierUsage
 
 TIERS = ("gpu", "cpu", "storage")

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcached.config import CacheConfig
-from kvcached.core.manager import CacheManager
 from kvcached.engine.model import DenseKV, ModelConfig, TinyTransformer
 from kvcached.errors import TransferFailed
 from kvcached.memory.kvshare import allocate_kv_cache, attach_kv_cache, release_kv_cache
+from kvcached.ops.wiring import CacheManager
 from kvcached.types import HitInfo
 
 logger = logging.getLogger(__name__)

@@ -43,16 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcached.copy import cuda as kvc
-from kvcached.copy.cuda import (  # noqa: F401  (re-exported: stream/event helpers)
-    CudaCopyError,
-    create_event,
-    create_stream,
-    event_ipc_handle,
-    open_ipc_event,
-    stream_wait_event,
-    synchronize,
-)
+from kvcached import cuda_lib as kvc
+from kvcached.cuda_lib import CudaCopyError
 from kvcached.layout import TORCH_DTYPES, KVLayout
 
 logger = logging.getLogger(__name__)

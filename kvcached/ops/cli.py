@@ -84,11 +84,13 @@ def main() -> None:
 def worker(rank: int, run_dir: str, config_path: str | None, engine_pid: int | None,
            restarts: int) -> None:
     """Run one transfer worker (what the engine and `kvcached launch` spawn)."""
+    from kvcached.ops.logs import setup_process_logging
     from kvcached.transfer.endpoints import CONFIG_FILE
     from kvcached.transfer.worker import run_worker
     cfg = _worker_config(run_dir, config_path, CONFIG_FILE)
     if not 0 <= rank < cfg.tp_size:
         raise click.ClickException(f"--rank must be in 0..{cfg.tp_size - 1} (tp_size), got {rank}")
+    setup_process_logging(cfg.log_dir or os.path.join(run_dir, "logs"), f"worker-rank{rank}")
     sys.exit(run_worker(cfg, run_dir, rank, engine_pid, restarts))
 
 

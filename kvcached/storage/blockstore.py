@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from kvcached.storage.backends import open_backend
 from kvcached.storage.base import Counters, StorageBackend
 from kvcached.storage.objects import (
     HEADER_SIZE,
@@ -75,8 +76,6 @@ class BlockStore:
     @classmethod
     def from_config(cls, cfg, rank: int) -> BlockStore | None:
         """The BlockStore of ``rank`` for a ``CacheConfig`` (None without storage)."""
-        from kvcached.storage import open_backend
-
         kind = cfg.storage_backend
         if not kind:
             return None

@@ -5,89 +5,92 @@ answers once it finished every task it had been sent. resume: the
 coordinator sends what it held. sleep: pause and detach from the KV planes
 and host pool. wakeup: re-attach and resume. Every op is idempotent and says
 whether it changed anything.
+
+``WorkerControl`` holds them as methods of the worker (``Worker`` inherits
+it), so this module needs nothing from ``kvcached.transfer.worker``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvcached.transfer.worker import Worker
+from kvcached.storage.objects import storage_namespace
 
 logger = logging.getLogger(__name__)
 
 
-def apply_worker_control(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    op = args.get("op")
-    handler = _OPS.get(op)
-    if handler is None:
-        raise ValueError(f"unknown control op {op!r}; allowed: {sorted(_OPS)}")
-    result = handler(w, args)
-    logger.info("worker rank %d: %s -> %s", w.rank, op, result)
-    return result
+class WorkerControl:
+    """The control operations of a transfer worker, as its methods.
+
+    The worker provides ``rank``, ``cfg``, ``paused``, ``executor``,
+    ``wait_idle``, ``open_executor``, ``close_executor``, ``queue_depths`` and
+    its task counters.
+    """
+
+    def control(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Apply the control operation ``args["op"]``; ValueError names the allowed ones."""
+        op = args.get("op")
+        handler = _OPS.get(op)
+        if handler is None:
+            raise ValueError(f"unknown control op {op!r}; allowed: {sorted(_OPS)}")
+        result = handler(self, args)
+        logger.info("worker rank %d: %s -> %s", self.rank, op, result)
+        return result
+
+    def _pause(self, args: dict[str, Any]) -> dict[str, Any]:
+        changed = not self.paused
+        self.paused = True
+        if not self.wait_idle(float(args.get("timeout_s", 30.0))):
+            raise TimeoutError(f"rank {self.rank}: tasks in flight did not finish")
+        return {"changed": changed, "paused": True}
+
+    def _resume(self, args: dict[str, Any]) -> dict[str, Any]:
+        changed = self.paused
+        self.paused = False
+        return {"changed": changed, "paused": False}
+
+    def _sleep(self, args: dict[str, Any]) -> dict[str, Any]:
+        res = self._pause(args)
+        changed = self.executor.planes is not None
+        if changed:
+            self.close_executor()
+        return {"changed": changed or res["changed"], "asleep": True}
+
+    def _wakeup(self, args: dict[str, Any]) -> dict[str, Any]:
+        changed = self.executor.planes is None
+        if changed:
+            self.open_executor(float(args.get("timeout_s", 30.0)))
+        self._resume(args)
+        return {"changed": changed, "asleep": False}
+
+    def _status(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"paused": self.paused, "asleep": self.executor.planes is None,
+                "queues": self.queue_depths(), "done": self.tasks_done, "failed": self.tasks_failed,
+                "fast": self.tasks_fast}
+
+    def _update_weights(self, args: dict[str, Any]) -> dict[str, Any]:
+        version = str(args.get("version", ""))
+        if not version:
+            raise ValueError("update_weights needs a non-empty 'version'")
+        self.cfg = self.executor.cfg = self.cfg.replace(weight_version=version)  # a later attach uses it
+        if self.executor.store is not None:  # without storage there is no namespace to switch
+            self.executor.set_namespace(storage_namespace(self.cfg.model_id, version, self.cfg.salt))
+        return {"changed": True, "version": version}
+
+    def _attach_storage(self, args: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.cfg.replace(storage_backend=args.get("backend"), storage_url=args.get("url", ""))
+        changed = self.executor.attach_storage(cfg)
+        self.cfg = cfg
+        return {"changed": changed, "backend": cfg.storage_backend}
+
+    def _detach_storage(self, args: dict[str, Any]) -> dict[str, Any]:
+        changed = self.executor.detach_storage()
+        self.cfg = self.cfg.replace(storage_backend=None)
+        return {"changed": changed}
 
 
-def _pause(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    changed = not w.paused
-    w.paused = True
-    if not w.wait_idle(float(args.get("timeout_s", 30.0))):
-        raise TimeoutError(f"rank {w.rank}: tasks in flight did not finish")
-    return {"changed": changed, "paused": True}
-
-
-def _resume(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    changed = w.paused
-    w.paused = False
-    return {"changed": changed, "paused": False}
-
-
-def _sleep(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    res = _pause(w, args)
-    changed = w.executor.planes is not None
-    if changed:
-        w.close_executor()
-    return {"changed": changed or res["changed"], "asleep": True}
-
-
-def _wakeup(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    changed = w.executor.planes is None
-    if changed:
-        w.open_executor(float(args.get("timeout_s", 30.0)))
-    _resume(w, args)
-    return {"changed": changed, "asleep": False}
-
-
-def _status(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    return {"paused": w.paused, "asleep": w.executor.planes is None,
-            "queues": w.queue_depths(), "done": w.tasks_done, "failed": w.tasks_failed,
-            "fast": w.tasks_fast}
-
-
-def _update_weights(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    from kvcached.storage.objects import storage_namespace
-    version = str(args.get("version", ""))
-    if not version:
-        raise ValueError("update_weights needs a non-empty 'version'")
-    w.cfg = w.executor.cfg = w.cfg.replace(weight_version=version)  # a later attach uses it
-    if w.executor.store is not None:  # without storage there is no namespace to switch
-        w.executor.set_namespace(storage_namespace(w.cfg.model_id, version, w.cfg.salt))
-    return {"changed": True, "version": version}
-
-
-def _attach_storage(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    cfg = w.cfg.replace(storage_backend=args.get("backend"), storage_url=args.get("url", ""))
-    changed = w.executor.attach_storage(cfg)
-    w.cfg = cfg
-    return {"changed": changed, "backend": cfg.storage_backend}
-
-
-def _detach_storage(w: Worker, args: dict[str, Any]) -> dict[str, Any]:
-    changed = w.executor.detach_storage()
-    w.cfg = w.cfg.replace(storage_backend=None)
-    return {"changed": changed}
-
-
-_OPS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wakeup": _wakeup,
-        "status": _status, "update_weights": _update_weights,
-        "attach_storage": _attach_storage, "detach_storage": _detach_storage}
+# control op -> the WorkerControl method that applies it
+_OPS = {op: getattr(WorkerControl, "_" + op)
+        for op in ("pause", "resume", "sleep", "wakeup", "status", "update_weights",
+                   "attach_storage", "detach_storage")}

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcached.config import CacheConfig
-from kvcached.transfer.base import Task
+from kvcached.tasks import Task
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import logging
 import time
 
 from kvcached.config import CacheConfig
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer, merge_results
+from kvcached.tasks import Task, TaskHandle, TaskResult, merge_results
+from kvcached.transfer.base import Transfer
 from kvcached.transfer.executor import RankExecutor
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,9 @@ from typing import Any
 import zmq
 
 from kvcached.config import CacheConfig
+from kvcached.tasks import Task
 from kvcached.transfer import protocol as P
-from kvcached.transfer.base import Task
+from kvcached.transfer.control import WorkerControl
 from kvcached.transfer.endpoints import CONFIG_FILE, ENGINE_FILE, coordinator_endpoint
 from kvcached.transfer.executor import RankExecutor
 from kvcached.transfer.fastpath import swap_server
@@ -99,7 +100,7 @@ class Lane(threading.Thread):
             push.close()
 
 
-class Worker:
+class Worker(WorkerControl):
     """One rank's transfer worker."""
 
     def __init__(self, cfg: CacheConfig, run_dir, rank: int, engine_pid: int | None,
@@ -386,11 +387,6 @@ class Worker:
         self._fast = None
         self.executor.close(final=False)
 
-    def control(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Apply a control operation; see kvcached.transfer.control."""
-        from kvcached.transfer.control import apply_worker_control
-        return apply_worker_control(self, args)
-
     def _forwarded(self, lane: str) -> None:
         """A lane's Done went out to the coordinator (socket thread only)."""
         self.lanes[lane].outstanding -= 1
@@ -479,10 +475,8 @@ class Worker:
 
 def run_worker(cfg: CacheConfig, run_dir, rank: int, engine_pid: int | None,
                restarts: int = 0) -> int:
-    """Entry point of ``kvcached worker``: log to a file, serve, exit."""
-    from kvcached.ops.logs import setup_process_logging
-    log_dir = cfg.log_dir or os.path.join(run_dir, "logs")
-    setup_process_logging(log_dir, f"worker-rank{rank}")
+    """Serve rank ``rank`` until the engine goes; the exit code. The caller
+    (``kvcached worker``) has set up the process's logging."""
     logger.info("worker rank %d starting (pid %d, engine pid %s, restart %d)", rank,
                 os.getpid(), engine_pid, restarts)
     try:

@@ -47,8 +47,9 @@ import zmq
 
 from kvcached.config import CacheConfig
 from kvcached.memory.rundir import write_engine_file
+from kvcached.tasks import Task, TaskHandle, TaskResult, merge_results
 from kvcached.transfer import protocol as P
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer, merge_results
+from kvcached.transfer.base import Transfer
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
 from kvcached.transfer.fastpath import done_parser
 from kvcached.transfer.peers import PeerTracker
@@ -594,7 +595,9 @@ class WorkerTransfer(Transfer):
         return {"paused": self._paused, "held": held, "workers": [
             {**INFO_DEFAULTS, **w.info, "rank": w.rank, "pid": w.pid, "state": w.state,
              "restarts": w.restarts, "crashes": w.crashes, "lost_reason": w.lost_reason,
-             "last_seen_s": round(now - w.last_seen, 3)} for w in self.workers],
+             "last_seen_s": round(now - w.last_seen, 3),
+             "ready_s": round(now - w.ready_at, 3) if w.ready_at else 0.0}
+            for w in self.workers],
             "inflight": len(self._inflight), "healthy": self._healthy}
 
     def control(self, op: str, args: dict[str, Any] | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from kvcached.errors import TransferFailed
-from kvcached.transfer.base import Task
+from kvcached.tasks import Task
 from reference.fetch import task_error
 from reference.tree import CPU, GPU, STORAGE, SWAP_IN, SWAP_OUT, Node, Tier
 

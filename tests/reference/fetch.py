@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvcached.errors import TransferFailed, WorkerLost
-from kvcached.transfer.base import Task, TaskResult
+from kvcached.tasks import Task, TaskResult
 from kvcached.types import HitInfo
 from reference.tree import CPU, GPU, STORAGE, SWAP_IN, Node
 

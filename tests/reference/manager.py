@@ -29,7 +29,8 @@ from pathlib import Path
 from kvcached.config import CacheConfig
 from kvcached.errors import CacheAsleep, NoFreeBlocks
 from kvcached.memory.rundir import cleanup_stale_run_dirs, create_run_dir
-from kvcached.transfer.base import Task, TaskHandle, TaskResult, Transfer
+from kvcached.tasks import Task, TaskHandle, TaskResult
+from kvcached.transfer.base import Transfer
 from kvcached.types import Allocation, CacheStats, HitInfo
 from reference.eviction import EvictionMixin, cpu_evictable, deepest_first, gpu_evictable
 from reference.fetch import FetchMixin

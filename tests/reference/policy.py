@@ -1,7 +1,7 @@
 """Eviction policies for one tier of the block tree: the oracle of the native core.
 
-Two policies with one interface: ``LRUPolicy`` (what kvcached does today)
-and ``AdaptivePolicy`` (learned hit density, issue 23). The C core is
+Two policies with one interface: ``LRUPolicy`` (least recently used)
+and ``AdaptivePolicy`` (learned hit density). The C core is
 written from this docstring and tested against these classes, step by step.
 
 Interface (``Policy``)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from kvcached.types import CacheStats, HitInfo, TierUsage
 
 if TYPE_CHECKING:
-    from kvcached.transfer.base import Task, TaskResult
+    from kvcached.tasks import Task, TaskResult
 
 TIERS = ("gpu", "cpu", "storage")
 

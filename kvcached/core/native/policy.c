@@ -1,4 +1,4 @@
-/* The adaptive eviction policy (issue 23): learned hit density with a ghost.
+/* The adaptive eviction policy: learned hit density with a ghost.
  *
  * A port of AdaptivePolicy in tests/reference/policy.py, whose docstring is
  * the specification; every step here has its counterpart there, and the

@@ -53,11 +53,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvcached.core.manager import CacheManager, EngineLoad, EngineSave
+from kvcached.core.manager import EngineLoad, EngineSave
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.integrations.vllm import observe
 from kvcached.memory import kvshare
-from kvcached.transfer.base import Task, TaskHandle, TaskResult
+from kvcached.ops.wiring import CacheManager
+from kvcached.tasks import Task, TaskHandle, TaskResult
 
 # Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
 logger = logging.getLogger("vllm.kvcached")

@@ -1,4 +1,4 @@
-"""Lazy, cached builds of the CUDA copy library (kvcached.copy.cuda, with nvcc).
+"""Lazy, cached builds of the CUDA copy library (kvcached.cuda_lib, with nvcc).
 
 The C extensions are compiled at install (setup.py); the CUDA library is not,
 since most machines that install kvcached have no nvcc. It is compiled on
