@@ -33,6 +33,8 @@ TRANSFER_MODES = ("workers", "inprocess")
 STORAGE_BACKENDS = (None, "file", "mooncake", "redis")
 DEVICES = ("cpu", "cuda")
 LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
+# Which blocks go to storage, and when (kvcached.core.planner.WRITE_BACK_MODE).
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "adaptive")  # the native core's (kvcached.core._core.Core policy)
 CUDA_COPY_MODES = ("kernel", "direct", "batch")  # kvcached.copy.cuda.MODES
 CUDA_MAX_GRID_BLOCKS, CUDA_MAX_BLOCK_THREADS = 1024, 512  # kv_copy.h
@@ -92,6 +94,8 @@ class CacheConfig:
     storage_lookup_timeout_s: float = 0.1
     storage_min_load_blocks: int = 1
     storage_max_bytes: int = 0
+    storage_write_policy: str = "write_through"
+    storage_write_threshold: int = 1
     check_host_memory: bool = True
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -161,6 +165,11 @@ class CacheConfig:
         _choice(self, "transfer_mode", TRANSFER_MODES)
         _choice(self, "storage_backend", STORAGE_BACKENDS)
         _choice(self, "storage_load_policy", LOAD_POLICIES)
+        _choice(self, "storage_write_policy", WRITE_POLICIES)
+        if self.storage_write_threshold < 1:
+            raise ValueError(f"storage_write_threshold must be >= 1 (the reuses after which "
+                             f"write_through_selective writes a block), got "
+                             f"{self.storage_write_threshold}")
         _choice(self, "eviction_policy", EVICTION_POLICIES)
         _check_cuda_copy(self)
         if self.storage_backend in ("mooncake", "redis") and not self.storage_url:

@@ -138,9 +138,11 @@ def _check_busy(snap: CacheSnapshot) -> None:
     for n in snap.nodes.values():
         if n.busy != busy[n.id]:
             _fail(f"{n}: busy={n.busy} but {busy[n.id]} store tasks in flight read it")
-        staged = Tier.CPU if snap.external else Tier.GPU
-        if n.busy and (n.state is not staged or n.cpu < 0):
-            _fail(f"{n}: a node being stored must be {staged.name} with its host block")
+        # GPU: staged (or a backup) for a store; CPU: stored from its host block (an
+        # external GPU tier's write-through, a write-back, a selective store), and
+        # meanwhile maybe matched (SWAP_IN: the swap-in reads the same block).
+        if n.busy and (n.state not in (Tier.GPU, Tier.CPU, Tier.SWAP_IN) or n.cpu < 0):
+            _fail(f"{n}: a node being stored must hold its host block (GPU, CPU or SWAP_IN)")
 
 
 def gpu_evictable(n: NodeView) -> bool:

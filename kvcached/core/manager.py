@@ -93,9 +93,6 @@ class CacheManager:
         self.core = _core.Core(0 if cfg.external_gpu_tier else cfg.num_gpu_blocks,
                                cfg.num_cpu_blocks, cfg.block_size, memo=cfg.hash_memo,
                                external=cfg.external_gpu_tier, policy=cfg.eviction_policy)
-        # LRU keys a leaf by its last use, stamped when a request lets go; the
-        # adaptive policy also counts each hit when allocate takes the match.
-        self._count_hits = cfg.eviction_policy != "lru"
         self._counters = Counters()
         self.planner = Planner(self.core, cfg, self._counters)
         self._ns = namespace_hash(cfg.model_id, cfg.weight_version, cfg.salt)
@@ -233,8 +230,9 @@ class CacheManager:
                 core.undo_match(creq)
                 self._counters.no_free_blocks += 1
                 raise NoFreeBlocks(need, avail)
-            if self._count_hits:
-                core.hit(creq)
+            # Each matched node counts a use (the selective write policy's evidence),
+            # and under the adaptive policy its tier a hit.
+            core.hit(creq)
             core.tick()
             if need > core.gpu_free:
                 try:
@@ -333,6 +331,8 @@ class CacheManager:
             del self._reqs[request_id]
             self.core.tick()
             held = req.core.n_path
+            if self.cfg.storage_backend:
+                self.planner.store_reused(req.core)
             self.core.unref_path(req.core)
             private = req.blocks[held:]
             if private:
@@ -550,7 +550,8 @@ class CacheManager:
             return {"changed": True, "ranks": res.get("ranks", {})}
 
     def _set_cfg(self, cfg: CacheConfig) -> None:
-        self.cfg = self.planner.cfg = cfg
+        self.cfg = cfg
+        self.planner.set_cfg(cfg)
 
     def status(self) -> dict:
         """Everything `kvcached status` shows, JSON-friendly."""
@@ -653,6 +654,7 @@ class CacheManager:
                 load.tasks.append(Task("swap_in", cpus, device_ids[start:n_cpu]))
             if stop > n_cpu:
                 nodes, cpus, _ = self.core.plan_load(creq, n_cpu, stop - n_cpu, [])
+                self.planner.flush_writebacks()
                 load.nodes = nodes
                 keys = [h.hex() for h in creq.hashes(n_cpu, n_cpu + len(nodes))]
                 split = min(max(start - n_cpu, 0), len(nodes))  # host only, then to the engine
@@ -706,6 +708,7 @@ class CacheManager:
                     save.plans.append((creq, nodes, positions))
                     src += [device_ids[k] for k in positions]
                     dst += cpus
+            self.planner.flush_writebacks()  # taking host blocks may have held victims
             if not save.plans:
                 return None
             save.handle = self.planner.submit(Task("swap_out", src, dst))
@@ -722,7 +725,7 @@ class CacheManager:
             n = len(save.handle.task.src)
             self._counters.storage["saves" if ok else "saves_failed"] += n
             if ok and self.planner.storage_usable():
-                self.planner.store_engine_blocks([creq for creq, _, _ in save.plans])
+                self.planner.store_engine_blocks([creq for creq, _, _ in save.plans], n)
             self._publish_events()
             return n if ok else 0
 
@@ -730,6 +733,8 @@ class CacheManager:
         """The engine is done with the request (finished, or preempted: it starts over)."""
         with self._lock:
             self.core.tick()
+            if self.cfg.storage_backend:
+                self.planner.store_reused(creq)
             self.core.unref_path(creq)
             self._publish_events()
 
@@ -774,7 +779,8 @@ class CacheManager:
             self.planner.reap()
             requests = [RequestView(r.rid, tuple(r.blocks), tuple(r.core.path()))
                         for r in self._reqs.values()]
-            stores = [list(p.nodes) for p in self.planner.pending.values() if p.kind == "store"]
+            stores = [list(p.nodes) for p in self.planner.pending.values()
+                      if p.kind.startswith("store")]
             return CacheSnapshot.from_core(self.core.snapshot(), self._ns, requests, stores)
 
     def check_invariants(self) -> None:

@@ -13,8 +13,14 @@ only then; a failed or short task rolls its nodes back.
 - Fetches (swap-ins of CPU hits, loads of storage hits) are asynchronous:
   ``Allocation.wait`` blocks on them; a failure cuts the request's cached
   prefix there and the engine recomputes the rest into the same blocks.
-- Write-through stages a commit's new blocks into host blocks and stores
-  them in one task per commit.
+- Writes to storage follow ``storage_write_policy``: ``write_through``
+  stages a commit's new blocks into host blocks and stores them in one task
+  per commit; ``write_through_selective`` stores, when a request lets go of
+  its path, the blocks used at least ``storage_write_threshold`` times;
+  under it and ``write_back`` the core holds CPU-tier victims that storage
+  lacks (``write_back``: all, selective: those reused) instead of dropping
+  them, and the planner stores them from their host blocks
+  (``flush_writebacks``); landed, they are evicted as clean copies.
 
 Every call happens under the manager's lock, on the caller's thread.
 """
@@ -37,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 GPU, CPU = 0, 1  # the core's pool numbers
 EVICT_DONE, EVICT_FLUSH, EVICT_EMPTY = 0, 1, 2  # Core.evict's statuses
+# Which CPU-tier victims the core holds for write-back (ops.c wants_write_back),
+# per storage_write_policy: write_through wrote every block at commit already.
+WRITE_BACK_MODE = {"write_through": 0, "write_through_selective": 1, "write_back": 2}
 
 
 def task_error(res: TaskResult, kind: str) -> TransferFailed:
@@ -49,7 +58,7 @@ class Pending:
     """A fetch or store in flight: which request (None for a store), where its
     nodes start in the request's path, the nodes, and the task's handle."""
 
-    kind: str  # "swap_in", "load" or "store"
+    kind: str  # "swap_in", "load", "store" (staged from GPU blocks) or "store_host"
     req: RunningRequest | None
     start: int
     nodes: list[int]
@@ -67,6 +76,13 @@ class Planner:
         self.pending: dict[int, Pending] = {}  # task id -> fetch or store in flight
         self.cpu_enabled = cfg.num_cpu_blocks > 0
         self.paused = False
+        self.set_cfg(cfg)
+
+    def set_cfg(self, cfg: CacheConfig) -> None:
+        """Take a new config (storage attached or detached: the write-back mode follows)."""
+        self.cfg = cfg
+        policy = cfg.storage_write_policy if cfg.storage_backend else "write_through"
+        self.core.set_write_back(WRITE_BACK_MODE[policy])
 
     # -------------------------------------------------------------- tasks
     def submit(self, task: Task) -> TaskHandle:
@@ -91,7 +107,7 @@ class Planner:
             p = self.pending.pop(h.task.task_id, None)
             if p is None:
                 continue  # swap-outs and lookups are handled where they are waited for
-            if p.kind == "store":
+            if p.kind.startswith("store"):
                 self._finish_store(p, h.result)
             else:
                 self._finish_fetch(p, h.result)
@@ -135,6 +151,8 @@ class Planner:
             status, freed = self.core.evict(count, swap, freed)
             if status == EVICT_FLUSH:  # land the batch: its victims become CPU leaves
                 self._swap_out()
+                # CPU victims held for write-back: their blocks are free once stored.
+                self.flush_writebacks(wait=True)
             elif status == EVICT_EMPTY:
                 # Idle blocks still being written through to storage: let them land.
                 if not self.wait_background(self.cfg.task_timeout_s + 5.0):
@@ -143,6 +161,7 @@ class Planner:
                 break
         if self.core.batch_size:
             self._swap_out()
+        self.flush_writebacks()
 
     def _swap_out(self) -> None:
         """Copy the core's swap-out batch to host blocks and land it; its GPU
@@ -173,11 +192,12 @@ class Planner:
         return n_swap, self._plan_load(req, n_matched, limit, new[n_swap:])
 
     def _track(self, kind: str, req: RunningRequest | None, start: int, nodes: list[int],
-               task: Task) -> None:
+               task: Task) -> TaskHandle:
         h = self.submit(task)
         self.pending[h.task.task_id] = Pending(kind, req, start, nodes, h)
         if req is not None:
             req.alloc._handles.append(h)
+        return h
 
     def storage_usable(self) -> bool:
         return bool(self.cfg.storage_backend) and self.cpu_enabled and not self.paused \
@@ -203,6 +223,7 @@ class Planner:
             skipped["skip_not_in_storage"] += 1
             return 0
         nodes, cpus, got = self.core.plan_load(req.core, start, n, gpu_ids)
+        self.flush_writebacks()
         if got < n:
             skipped["short_of_cpu_blocks"] += 1
         if not nodes:
@@ -251,33 +272,83 @@ class Planner:
         logger.warning("%s for request %r %s; %d tokens will be recomputed", kind, req.rid,
                        f"failed: {error}" if error else "came back short", lost)
 
-    # ------------------------------------------------------ write-through
+    # ------------------------------------------------------------ writes
+    def writes_at_commit(self, new_blocks: int) -> bool:
+        """Whether newly computed blocks go to storage now (write_through); under
+        the other policies they are counted as writes the policy skipped."""
+        if self.cfg.storage_write_policy == "write_through":
+            return True
+        self.counters.storage["write_skipped_policy"] += new_blocks
+        return False
+
     def write_through(self, req: RunningRequest, start: int) -> None:
         """Stage the request's new GPU blocks (path from ``start``) into host
         blocks and store them (one task)."""
-        if not self.storage_usable():
+        if not self.storage_usable() or not self.writes_at_commit(req.core.n_path - start):
             return
-        nodes, cpus, gpus, hashes = self.core.plan_store(req.core, start)
+        self._store_staged(req.core, start, 0)
+
+    def _store_staged(self, creq, start: int, min_uses: int) -> int:
+        """Store the path's GPU blocks from ``start`` used ``min_uses`` times, staged
+        through host blocks (one task); returns how many."""
+        nodes, cpus, gpus, hashes = self.core.plan_store(creq, start, min_uses)
+        self.flush_writebacks()  # taking host blocks may have held victims
         if nodes:
             self._track("store", None, 0, nodes,
                         Task("store", cpus, [], {"keys": [h.hex() for h in hashes],
                                                  "device_ids": gpus}))
+        return len(nodes)
 
-    def store_engine_blocks(self, creqs: list) -> None:
-        """Write through the CPU copies of these requests' paths that storage lacks,
-        straight from their host blocks (an external GPU tier: one store task)."""
+    def _store_host(self, creqs: list, min_uses: int) -> int:
+        """Store the host copies of these requests' paths used ``min_uses`` times
+        that storage lacks, straight from their host blocks (one task)."""
         nodes, cpus, keys = [], [], []
         for creq in creqs:
-            n, c, hashes = self.core.ext_plan_store(creq)
+            n, c, hashes = self.core.plan_store_host(creq, min_uses)
             nodes += n
             cpus += c
             keys += [h.hex() for h in hashes]
         if nodes:
-            self._track("store", None, 0, nodes, Task("store", cpus, [], {"keys": keys}))
+            self._track("store_host", None, 0, nodes, Task("store", cpus, [], {"keys": keys}))
+        return len(nodes)
+
+    def store_engine_blocks(self, creqs: list, saved: int) -> None:
+        """Write through the CPU copies of these requests' paths that storage lacks
+        (an external GPU tier, which just saved ``saved`` blocks into the CPU tier)."""
+        if self.writes_at_commit(saved):
+            self._store_host(creqs, 0)
+
+    def store_reused(self, creq) -> None:
+        """write_through_selective, when a request lets go of its path: store its
+        blocks used at least ``storage_write_threshold`` times that storage lacks
+        (a reuse is what predicts the next one; most blocks are never reused)."""
+        if self.cfg.storage_write_policy != "write_through_selective" or \
+                not self.storage_usable():
+            return
+        t = self.cfg.storage_write_threshold
+        n = 0 if self.core.external else self._store_staged(creq, 0, t)
+        self.counters.storage["write_selected"] += n + self._store_host([creq], t)
+
+    def flush_writebacks(self, wait: bool = False) -> None:
+        """Store the CPU-tier victims the core held for write-back (busy until the
+        store lands; then the next eviction drops them as clean copies). With
+        ``wait`` the store lands now: an eviction waits for their blocks."""
+        nodes, cpus, hashes = self.core.take_writebacks()
+        if not nodes:
+            return
+        if not self.storage_usable():  # not retried: evicted as if written
+            self.core.finish_store(nodes, None, False)
+            return
+        self.counters.storage["write_back"] += len(nodes)
+        h = self._track("store_host", None, 0, nodes,
+                        Task("store", cpus, [], {"keys": [x.hex() for x in hashes]}))
+        if wait:
+            self.await_all([h], self.cfg.task_timeout_s + 5.0)
+            self.reap()
 
     def _finish_store(self, p: Pending, res: TaskResult) -> None:
         stored = [bool(s) for s in res.result.get("stored", [])] if res.ok else []
-        self.core.finish_store(p.nodes, stored if res.ok else None)
+        self.core.finish_store(p.nodes, stored if res.ok else None, p.kind == "store")
         n_stored = sum(stored[:len(p.nodes)])
         self.counters.storage["stored"] += n_stored
         self.counters.storage["store_failed"] += len(p.nodes) - n_stored

@@ -17,6 +17,9 @@ STORAGE_COUNTERS = {
     "skip_below_min_load_blocks": "reads skipped: hit shorter than storage_min_load_blocks",
     "skip_not_in_storage": "reads skipped: storage does not hold the next block",
     "short_of_cpu_blocks": "loads cut short: no free host block to stage into",
+    "write_skipped_policy": "blocks computed but not written then (storage_write_policy)",
+    "write_selected": "blocks written once reused storage_write_threshold times",
+    "write_back": "blocks written on leaving the CPU tier (write_back, selective)",
 }
 # Why a rank refused a stored object (storage.objects.MISS_REASONS); each is a miss.
 REJECTION_WORDS = {

@@ -51,7 +51,9 @@ typedef struct __attribute__((aligned(64))) {
     int32_t n_children;
     int32_t n_gpu_children; /* children in GPU or SWAP_IN */
     int32_t n_cpu_children; /* children holding a CPU block */
-    uint8_t spare[8];
+    uint8_t uses;      /* reuses seen, saturating: the write policy's evidence (see ops.c) */
+    uint8_t wb_failed; /* a store from its host block failed: eviction drops it, no retry */
+    uint8_t spare[6];
     /* children: a doubly linked sibling list, or (a wide node) kids */
     int32_t first_child, next_sib;
     uint64_t last_access;
@@ -160,6 +162,13 @@ typedef struct {
 
 enum { POLICY_LRU = 0, POLICY_ADAPTIVE = 1 };
 
+/* Which CPU-tier victims are written to storage before they leave it
+ * (kvcached.config storage_write_policy): none (write_through wrote them at
+ * commit), those reused at least once (write_through_selective), all that
+ * storage lacks (write_back). */
+enum { WB_NONE = 0, WB_REUSED = 1, WB_ALL = 2 };
+#define WB_HOLD_MAX 64 /* victims held for write-back at once: a burst never pins the tier */
+
 /* Eviction counters, in the order of EVICTION_NAMES (module.c). */
 enum { EV_GPU_DROPPED, EV_CPU_DROPPED, EV_GPU_TO_CPU, EV_GPU_TO_CPU_BACKUP, EV_COUNT };
 
@@ -202,6 +211,12 @@ typedef struct {
     int32_t *batch, *batch_copy; /* nodes, and whether each needs a copy */
     int32_t n_batch, batch_cap;
     int32_t carry_leaf;     /* a victim's parent that became a leaf, not yet listed */
+    /* write-back: CPU victims held (busy) until a store saves them, not yet
+     * handed to the caller (core_take_writebacks) */
+    int wb_mode;
+    int32_t *wb;            /* room for WB_HOLD_MAX */
+    int32_t n_wb;
+    int64_t n_busy;         /* the sum of every node's busy */
     /* events, when enabled */
     int events_on;
     event_t *events;
@@ -277,9 +292,13 @@ int32_t core_plan_load(core_t *c, request_t *r, int32_t start, int32_t n, const 
 int32_t core_finish_fetch(core_t *c, request_t *r, int32_t start, const int32_t *nodes,
                           int32_t count, int32_t ok, int is_load, int missing);
 int core_insert(core_t *c, request_t *r, int32_t *blocks, int32_t full, const char **err);
-int32_t core_plan_store(core_t *c, request_t *r, int32_t start, int32_t *nodes, int32_t *cpus);
+int32_t core_plan_store(core_t *c, request_t *r, int32_t start, int32_t min_uses,
+                        int32_t *nodes, int32_t *cpus);
+int32_t core_plan_store_host(core_t *c, request_t *r, int32_t min_uses, int32_t *nodes,
+                             int32_t *cpus);
 void core_finish_store(core_t *c, const int32_t *nodes, int32_t n, const uint8_t *stored,
-                       int ok);
+                       int ok, int staged);
+int32_t core_take_writebacks(core_t *c, int32_t *nodes, int32_t *cpus);
 void core_drop_gpu_tier(core_t *c);
 void core_drop_cpu_tier(core_t *c);
 void core_forget_storage(core_t *c);
@@ -288,7 +307,6 @@ int32_t core_ext_save(core_t *c, request_t *r, int32_t upto, int32_t *nodes, int
                       int32_t *blocks);
 void core_ext_finish_save(core_t *c, request_t *r, const int32_t *nodes, const int32_t *blocks,
                           int32_t n, int ok);
-int32_t core_ext_plan_store(core_t *c, request_t *r, int32_t *nodes, int32_t *cpus);
 int32_t core_cpu_prefix(const core_t *c, const request_t *r, int32_t limit, int *moving);
 
 /* lru.c */

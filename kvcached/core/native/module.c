@@ -885,11 +885,13 @@ static PyObject *Core_insert(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 static PyObject *Core_plan_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int32_t start;
+    int32_t start, min_uses = 0;
     request_t *r;
-    if (nargs != 2 || (r = request_arg(self, args[0])) == NULL ||
-        as_i32(args[1], "start", &start) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "plan_store(req, start)");
+    if (nargs < 2 || nargs > 3 || (r = request_arg(self, args[0])) == NULL ||
+        as_i32(args[1], "start", &start) < 0 ||
+        (nargs == 3 && as_i32(args[2], "min_uses", &min_uses) < 0)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "plan_store(req, start, min_uses=0)");
         return NULL;
     }
     if (path_range(r, start, 0) < 0) return NULL;
@@ -903,7 +905,7 @@ static PyObject *Core_plan_store(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_NoMemory();
     } else {
         core_t *c = CORE(self);
-        int32_t m = core_plan_store(c, r, start, nodes, cpus);
+        int32_t m = core_plan_store(c, r, start, min_uses, nodes, cpus);
         for (int32_t k = 0; k < m; k++) {
             gpus[k] = N(c, nodes[k])->gpu;
             memcpy(hashes + (size_t)k * HASH_LEN, N(c, nodes[k])->hash, HASH_LEN);
@@ -919,10 +921,13 @@ static PyObject *Core_plan_store(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 static PyObject *Core_finish_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "finish_store(nodes, stored: list[bool] | None)");
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError,
+                        "finish_store(nodes, stored: list[bool] | None, staged=not external)");
         return NULL;
     }
+    int staged = nargs == 3 ? PyObject_IsTrue(args[2]) : !CORE(self)->external;
+    if (staged < 0) return NULL;
     Py_ssize_t n;
     int32_t *nodes = ints_of(args[0], "nodes", &n);
     if (nodes == NULL) return NULL;
@@ -947,7 +952,7 @@ static PyObject *Core_finish_store(PyObject *self, PyObject *const *args, Py_ssi
             goto fail;
         }
     }
-    core_finish_store(CORE(self), nodes, (int32_t)n, stored, ok);
+    core_finish_store(CORE(self), nodes, (int32_t)n, stored, ok, staged);
     free(nodes);
     free(stored);
     Py_RETURN_NONE;
@@ -1135,9 +1140,15 @@ static PyObject *Core_ext_finish_save(PyObject *self, PyObject *const *args, Py_
     return out;
 }
 
-static PyObject *Core_ext_plan_store(PyObject *self, PyObject *arg) {
-    request_t *r = request_arg(self, arg);
-    if (r == NULL || need_external(self) < 0) return NULL;
+static PyObject *Core_plan_store_host(PyObject *self, PyObject *const *args,
+                                     Py_ssize_t nargs) {
+    int32_t min_uses = 0;
+    request_t *r;
+    if (nargs < 1 || nargs > 2 || (r = request_arg(self, args[0])) == NULL ||
+        (nargs == 2 && as_i32(args[1], "min_uses", &min_uses) < 0)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "plan_store_host(req, min_uses=0)");
+        return NULL;
+    }
     int32_t room = r->n_path ? r->n_path : 1;
     int32_t *nodes = malloc(sizeof(int32_t) * (size_t)room);
     int32_t *cpus = malloc(sizeof(int32_t) * (size_t)room);
@@ -1147,7 +1158,7 @@ static PyObject *Core_ext_plan_store(PyObject *self, PyObject *arg) {
         PyErr_NoMemory();
     } else {
         core_t *c = CORE(self);
-        int32_t m = core_ext_plan_store(c, r, nodes, cpus);
+        int32_t m = core_plan_store_host(c, r, min_uses, nodes, cpus);
         for (int32_t k = 0; k < m; k++)
             memcpy(hashes + (size_t)k * HASH_LEN, N(c, nodes[k])->hash, HASH_LEN);
         out = Py_BuildValue("NNN", list_of(nodes, m), list_of(cpus, m), hash_list(hashes, m));
@@ -1265,6 +1276,30 @@ static PyObject *Core_drain_policy_log(PyObject *self, PyObject *unused) {
     }
     c->n_pol_log = 0;
     return out;
+}
+
+/* The CPU-tier victims held for write-back since the last call (see ops.c
+ * take_cpu_block): the caller stores them and calls finish_store(staged=False). */
+static PyObject *Core_take_writebacks(PyObject *self, PyObject *unused) {
+    core_t *c = CORE(self);
+    int32_t nodes[WB_HOLD_MAX], cpus[WB_HOLD_MAX];
+    uint8_t hashes[WB_HOLD_MAX * HASH_LEN];
+    int32_t m = core_take_writebacks(c, nodes, cpus);
+    for (int32_t k = 0; k < m; k++)
+        memcpy(hashes + (size_t)k * HASH_LEN, N(c, nodes[k])->hash, HASH_LEN);
+    return Py_BuildValue("NNN", list_of(nodes, m), list_of(cpus, m), hash_list(hashes, m));
+}
+
+static PyObject *Core_set_write_back(PyObject *self, PyObject *arg) {
+    int32_t mode;
+    if (as_i32(arg, "mode", &mode) < 0) return NULL;
+    if (mode < WB_NONE || mode > WB_ALL) {
+        PyErr_Format(PyExc_ValueError, "write-back mode must be 0 (none), 1 (reused) or 2 (all), "
+                     "got %d", (int)mode);
+        return NULL;
+    }
+    CORE(self)->wb_mode = mode;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Core_set_events(PyObject *self, PyObject *on) {
@@ -1484,8 +1519,15 @@ static PyMethodDef core_methods[] = {
     FAST(plan_load, "plan_load(req, start, n, gpu_ids) -> (nodes, cpu_ids, host blocks got)"),
     FAST(finish_fetch, "finish_fetch(req, start, nodes, ok, is_load, missing) -> cut or -1"),
     FAST(insert, "insert(req, blocks, full): cache the request's computed blocks"),
-    FAST(plan_store, "plan_store(req, start) -> (nodes, cpu_ids, gpu_ids, hashes)"),
-    FAST(finish_store, "finish_store(nodes, stored | None)"),
+    FAST(plan_store, "plan_store(req, start, min_uses=0) -> (nodes, cpu_ids, gpu_ids, hashes): "
+                     "stage GPU blocks used >= min_uses times into host blocks for a store"),
+    FAST(finish_store, "finish_store(nodes, stored | None, staged=not external)"),
+    FAST(plan_store_host, "plan_store_host(req, min_uses=0) -> (nodes, cpu_ids, hashes): "
+                          "host copies used >= min_uses times to store from their host blocks"),
+    {"take_writebacks", Core_take_writebacks, METH_NOARGS,
+     "take_writebacks() -> (nodes, cpu_ids, hashes): CPU victims held for write-back"},
+    {"set_write_back", Core_set_write_back, METH_O,
+     "set_write_back(mode): CPU victims written back: 0 none, 1 reused ones, 2 all"},
     {"drop_gpu_tier", Core_drop_gpu_tier, METH_NOARGS, "forget every GPU copy"},
     {"drop_cpu_tier", Core_drop_cpu_tier, METH_NOARGS, "forget every CPU copy"},
     {"forget_storage", Core_forget_storage, METH_NOARGS, "forget what storage holds"},
@@ -1497,8 +1539,6 @@ static PyMethodDef core_methods[] = {
     FAST(path_blocks, "path_blocks(req, start, stop, tier) -> block ids of path nodes"),
     FAST(ext_save, "ext_save(req, upto) -> (nodes, cpu_ids, block positions) to copy"),
     FAST(ext_finish_save, "ext_finish_save(req, nodes, blocks, ok)"),
-    {"ext_plan_store", Core_ext_plan_store, METH_O,
-     "ext_plan_store(req) -> (nodes, cpu_ids, hashes): write-through from host blocks"},
     {"counters", Core_counters, METH_NOARGS,
      "counters() -> {evictions, dedup_blocks, memo_hits, blocks_hashed}"},
     {"set_events", Core_set_events, METH_O, "set_events(on): record KV events"},

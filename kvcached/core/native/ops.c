@@ -366,19 +366,50 @@ static void drop_cpu_leaf(core_t *c, int32_t i) {
     c->evictions[EV_CPU_DROPPED]++;
 }
 
+/* Whether a CPU-tier victim must reach storage before it leaves: its only
+ * copy (a GPU node's backup is not), not in storage, and wanted by the write
+ * policy: under write_through_selective a block reused at least once (the
+ * evidence both eviction policies have that it is worth keeping). A failed
+ * write-back is not retried (a broken store must not pin the tier). */
+static inline int wants_write_back(const core_t *c, const node_t *n) {
+    if (c->wb_mode == WB_NONE || n->state != S_CPU || n->in_storage || n->wb_failed) return 0;
+    return c->wb_mode == WB_ALL || n->uses > 0;
+}
+
 /* A free host block, dropping the least recently used CPU leaf when none is
- * free; NIL when no CPU leaf is evictable either. */
+ * free; NIL when no CPU leaf is evictable either, or when WB_HOLD_MAX victims
+ * are held for write-back. A victim to write back is held (busy: no tier
+ * evicts it) and listed in core.wb instead of dropped: the caller stores it
+ * from its host block (core_take_writebacks), and the next eviction after
+ * that store landed drops it as a clean copy. */
 static int32_t take_cpu_block(core_t *c) {
-    if (c->pools[T_CPU].count == 0) {
+    while (c->pools[T_CPU].count == 0) {
+        if (c->n_wb == WB_HOLD_MAX) return NIL;
         int32_t i = leaves_pop(c, T_CPU);
         if (i == NIL) return NIL;
-        if (N(c, i)->state == S_CPU) {
+        if (wants_write_back(c, N(c, i))) {
+            N(c, i)->busy++;
+            c->n_busy++;
+            c->wb[c->n_wb++] = i;
+        } else if (N(c, i)->state == S_CPU) {
             drop_cpu_leaf(c, i);
         } else {
             drop_cpu(c, i); /* a GPU node's backup */
         }
     }
     return pool_take(&c->pools[T_CPU]);
+}
+
+/* Hand the victims held for write-back to the caller (who must store them and
+ * call core_finish_store with staged = 0). Returns how many. */
+int32_t core_take_writebacks(core_t *c, int32_t *nodes, int32_t *cpus) {
+    int32_t n = c->n_wb;
+    for (int32_t k = 0; k < n; k++) {
+        nodes[k] = c->wb[k];
+        cpus[k] = N(c, c->wb[k])->cpu;
+    }
+    c->n_wb = 0;
+    return n;
 }
 
 int32_t core_take_cpu_blocks(core_t *c, int32_t n, int32_t *out) {
@@ -460,12 +491,19 @@ int core_match(core_t *c, request_t *r, int32_t limit, int with_cpu, int32_t *n_
     return 0;
 }
 
-/* The request's matched path is taken (allocate went ahead): each node's
- * tier counts a hit, in path order. Under LRU, nothing: core_match unlisted
- * the leaves already, and the keys move at unref. Under the
- * adaptive policy core_match leaves the leaves listed (so a refused allocate
- * changes nothing and undoes nothing) and they are unlisted here. */
+/* A request used the node's cached copy (a hit, or a commit or save that
+ * found it cached): what write_through_selective counts. */
+static inline void count_use(node_t *n) {
+    if (n->uses < UINT8_MAX) n->uses++;
+}
+
+/* The request's matched path is taken (allocate went ahead): each node
+ * counts a use and its tier a hit, in path order. Under LRU, no hit:
+ * core_match unlisted the leaves already, and the keys move at unref. Under
+ * the adaptive policy core_match leaves the leaves listed (so a refused
+ * allocate changes nothing and undoes nothing) and they are unlisted here. */
 void core_hit(core_t *c, request_t *r) {
+    for (int32_t k = 0; k < r->n_path; k++) count_use(N(c, r->path[k]));
     if (c->policy == POLICY_LRU) return;
     for (int32_t k = 0; k < r->n_path; k++) {
         int32_t i = r->path[k];
@@ -520,6 +558,18 @@ void core_unref_path(core_t *c, request_t *r) {
 
 /* ------------------------------------------------------------- eviction */
 
+/* Whether a node below i is being stored from its host block (a write-back
+ * or a selective store held across calls): then i must not be dropped, since
+ * dropping it drops the host copies below it. O(subtree); the caller checks
+ * the cheap conditions first. */
+static int subtree_busy(core_t *c, int32_t i) {
+    int32_t *nodes;
+    int32_t n = subtree(c, i, &nodes), busy = nodes == NULL; /* no memory: assume so */
+    for (int32_t k = 1; k < n && !busy; k++) busy = N(c, nodes[k])->busy != 0;
+    free(nodes);
+    return busy;
+}
+
 /* set_state(i, SWAP_OUT, cpu) for a leaf just popped off the GPU heap (state
  * GPU, unreferenced, no GPU child): the eviction hot path. cpu is the new
  * host block, or NIL when a backup already holds the bytes. Returns the
@@ -566,10 +616,15 @@ int core_evict(core_t *c, int32_t count, int swap, int32_t *freed_io) {
         int32_t cpu = NIL, copy = 0;
         if (N(c, i)->cpu < 0) {
             cpu = swap ? take_cpu_block(c) : NIL;
-            if (cpu == NIL && c->n_batch) {
+            if (cpu == NIL && (c->n_batch || c->n_wb)) { /* land, or write back, first */
                 refresh(c, i);
                 *freed_io = freed;
                 return EVICT_FLUSH;
+            }
+            if (cpu == NIL && N(c, i)->n_cpu_children && c->n_busy && subtree_busy(c, i)) {
+                refresh(c, i); /* dropping it would drop host copies a store is reading */
+                *freed_io = freed;
+                return EVICT_EMPTY;
             }
             if (cpu == NIL) {
                 leaf = drop_gpu_leaf(c, i);
@@ -815,7 +870,9 @@ int core_insert(core_t *c, request_t *r, int32_t *blocks, int32_t full, const ch
             }
             ref_node(c, i);
             pol_hit(c, T_GPU, i); /* a commit that found it cached used it */
+            count_use(N(c, i));
         } else if (N(c, i)->state == S_CPU || N(c, i)->state == S_STORAGE) {
+            count_use(N(c, i)); /* computed again: the block was wanted again */
             N(c, i)->ref++; /* adopt our copy: no swap-in needed for it any more */
             set_state(c, i, S_GPU, blocks[k], KEEP);
         } else {
@@ -830,36 +887,42 @@ int core_insert(core_t *c, request_t *r, int32_t *blocks, int32_t full, const ch
 
 /* ---------------------------------------------------------- write-through */
 
-/* Stage the request's new GPU blocks (path[start ..]) into host blocks for a
- * store task; a staged node is busy (neither tier evicts it) until
- * core_finish_store. Returns how many; nodes and cpus hold them. */
-int32_t core_plan_store(core_t *c, request_t *r, int32_t start, int32_t *nodes, int32_t *cpus) {
+/* Stage the request's GPU blocks (path[start ..]) used at least min_uses
+ * times into host blocks for a store task; a staged node is busy (neither
+ * tier evicts it) until core_finish_store. Returns how many; nodes and cpus
+ * hold them. */
+int32_t core_plan_store(core_t *c, request_t *r, int32_t start, int32_t min_uses,
+                        int32_t *nodes, int32_t *cpus) {
     int32_t m = 0;
     for (int32_t k = start; k < r->n_path; k++) {
         const node_t *n = N(c, r->path[k]);
-        if (n->state == S_GPU && n->cpu < 0 && n->busy == 0 && !n->in_storage)
+        if (n->state == S_GPU && n->cpu < 0 && n->busy == 0 && !n->in_storage &&
+            n->uses >= min_uses)
             nodes[m++] = r->path[k];
     }
     m = core_take_cpu_blocks(c, m, cpus);
     for (int32_t k = 0; k < m; k++) {
         N(c, nodes[k])->busy++;
+        c->n_busy++;
         set_state(c, nodes[k], S_GPU, KEEP, cpus[k]);
     }
     return m;
 }
 
 /* A store task finished: stored[k] says whether every rank stored node k.
- * A failed task may have left a staging copy torn: it is not kept (with an
- * external GPU tier the store only read the host copy, which stays). */
+ * A failed task may have left a staging copy torn: it is not kept (a store
+ * that was not staged only read the host copy, which stays). */
 void core_finish_store(core_t *c, const int32_t *nodes, int32_t n, const uint8_t *stored,
-                       int ok) {
+                       int ok, int staged) {
     for (int32_t k = 0; k < n; k++) {
         int32_t i = nodes[k];
         N(c, i)->busy--;
+        c->n_busy--;
+        if (!ok || !stored[k]) N(c, i)->wb_failed = 1;
         if (ok) {
             N(c, i)->in_storage = stored[k] != 0;
             if (stored[k] && c->events_on) emit(c, 1, 2, N(c, i)->hash);
-        } else if (!c->external) {
+        } else if (staged) {
             int32_t cpu = N(c, i)->cpu;
             set_state(c, i, N(c, i)->state, KEEP, NIL);
             pool_put(&c->pools[T_CPU], cpu);
@@ -893,6 +956,9 @@ void core_drop_gpu_tier(core_t *c) {
 
 /* Forget every CPU copy (the host pool is released, or the workers are gone). */
 void core_drop_cpu_tier(core_t *c) {
+    for (int32_t k = 0; k < c->n_wb; k++) N(c, c->wb[k])->busy--; /* never handed out */
+    c->n_busy -= c->n_wb;
+    c->n_wb = 0;
     int32_t *nodes;
     int32_t n = walk_all(c, &nodes), m = 0;
     for (int32_t k = 0; k < n; k++) {
@@ -973,7 +1039,9 @@ int32_t core_ext_save(core_t *c, request_t *r, int32_t upto, int32_t *nodes, int
         if (i != NIL && N(c, i)->state == S_CPU) {
             ref_node(c, i);
             pol_hit(c, T_CPU, i); /* the engine used it again */
+            count_use(N(c, i));
         } else if (i == NIL || N(c, i)->state == S_STORAGE) {
+            if (i != NIL) count_use(N(c, i)); /* computed again: wanted again */
             int32_t cpu = take_cpu_block(c);
             if (cpu == NIL) break;
             if (i == NIL) {
@@ -1016,16 +1084,21 @@ void core_ext_finish_save(core_t *c, request_t *r, const int32_t *nodes, const i
     }
 }
 
-/* Write-through with an external GPU tier: the request's CPU copies that
- * storage lacks are stored straight from their host blocks (busy until the
- * store lands, so no tier evicts them). Returns how many. */
-int32_t core_ext_plan_store(core_t *c, request_t *r, int32_t *nodes, int32_t *cpus) {
+/* The request's host copies (a CPU node's, or a GPU node's backup) used at
+ * least min_uses times that storage lacks, to be stored straight from their
+ * host blocks (busy until the store lands, so no tier evicts them): the
+ * write-through of an external GPU tier, and write_through_selective.
+ * Returns how many. */
+int32_t core_plan_store_host(core_t *c, request_t *r, int32_t min_uses, int32_t *nodes,
+                             int32_t *cpus) {
     int32_t m = 0;
     for (int32_t k = 0; k < r->n_path; k++) {
         int32_t i = r->path[k];
         node_t *n = N(c, i);
-        if (n->state == S_CPU && n->busy == 0 && !n->in_storage) {
+        if (n->cpu >= 0 && (n->state == S_CPU || n->state == S_GPU) && n->busy == 0 &&
+            !n->in_storage && n->uses >= min_uses) {
             n->busy++;
+            c->n_busy++;
             refresh(c, i);
             nodes[m] = i;
             cpus[m++] = n->cpu;

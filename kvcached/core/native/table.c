@@ -357,7 +357,9 @@ int core_init(core_t *c, int32_t gpu_blocks, int32_t cpu_blocks, int32_t block_s
     c->batch_cap = 64;
     c->batch = malloc(sizeof(int32_t) * (size_t)c->batch_cap);
     c->batch_copy = malloc(sizeof(int32_t) * (size_t)c->batch_cap);
+    c->wb = malloc(sizeof(int32_t) * WB_HOLD_MAX);
     if (c->nodes == NULL || c->free_nodes == NULL || c->batch == NULL || c->batch_copy == NULL ||
+        c->wb == NULL ||
         pool_init(&c->pools[T_GPU], gpu_blocks) < 0 ||
         pool_init(&c->pools[T_CPU], cpu_blocks) < 0 || heap_init(&c->lru[T_GPU], T_GPU) < 0 ||
         heap_init(&c->lru[T_CPU], T_CPU) < 0) {
@@ -389,6 +391,7 @@ void core_free(core_t *c) {
     free(c->free_nodes);
     free(c->batch);
     free(c->batch_copy);
+    free(c->wb);
     free(c->events);
     pool_free_all(&c->pools[T_GPU]);
     pool_free_all(&c->pools[T_CPU]);
