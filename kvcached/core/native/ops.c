@@ -376,6 +376,27 @@ static inline int wants_write_back(const core_t *c, const node_t *n) {
     return c->wb_mode == WB_ALL || n->uses > 0;
 }
 
+static void hold_for_write_back(core_t *c, int32_t i) {
+    N(c, i)->busy++;
+    c->n_busy++;
+    c->wb[c->n_wb++] = i;
+}
+
+/* Hold victim i for write-back, and the parents that become the next
+ * victims once it is gone (CPU copies with no other CPU child, unused): a
+ * chain is written in one store, not one block per eviction, and storage
+ * gets the prefix its lookups need. */
+static void hold_chain(core_t *c, int32_t i) {
+    hold_for_write_back(c, i);
+    for (int32_t p = N(c, i)->parent; p != ROOT && c->n_wb < WB_HOLD_MAX; p = N(c, p)->parent) {
+        const node_t *n = N(c, p);
+        if (n->n_cpu_children != 1 || n->n_gpu_children || n->ref || n->busy ||
+            !wants_write_back(c, n))
+            break;
+        hold_for_write_back(c, p);
+    }
+}
+
 /* A free host block, dropping the least recently used CPU leaf when none is
  * free; NIL when no CPU leaf is evictable either, or when WB_HOLD_MAX victims
  * are held for write-back. A victim to write back is held (busy: no tier
@@ -388,9 +409,7 @@ static int32_t take_cpu_block(core_t *c) {
         int32_t i = leaves_pop(c, T_CPU);
         if (i == NIL) return NIL;
         if (wants_write_back(c, N(c, i))) {
-            N(c, i)->busy++;
-            c->n_busy++;
-            c->wb[c->n_wb++] = i;
+            hold_chain(c, i);
         } else if (N(c, i)->state == S_CPU) {
             drop_cpu_leaf(c, i);
         } else {
