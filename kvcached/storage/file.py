@@ -11,15 +11,22 @@ place, so a reader sees a whole object or none; a failed write leaves nothing
 visible. There is no fsync: after a power loss a torn file fails its checksum
 and is a miss, which is all a cache needs.
 
-The size cap is enforced from an in-memory index (key -> size, in access
-order) built once at open from file modification times; hits touch the file's
-mtime so the order survives restarts. Without an explicit cap
+Several processes may write one directory: the TP ranks of an engine (each
+indexes only the keys it is told it owns, ``index_suffix``, and enforces its
+own share of the cap) and several engines (a fleet). The bytes held, per
+suffix, are a :class:`~kvcached.storage.ledger.SharedLedger` next to the
+objects: a writer renames its object into place, adds its size and evicts
+under the ledger's lock, so the cap holds for all writers together.
+Eviction takes the least recently used objects of an in-memory index (key ->
+size, in access order) built at open from file modification times (hits
+touch the file's mtime, so the order survives restarts); the index is
+rebuilt from the directory once a quarter of the cap was written since the
+last scan, or when it holds nothing else to evict, so one writer's cleanup
+reaches the other writers' objects too. Without an explicit cap
 (``max_bytes=0``) a ``disk_fraction`` > 0 sets one at open: that share of the
 free disk space plus what this store holds already (so the cap does not
-shrink as the store fills the disk). Several processes may share a
-directory (one per TP rank): each indexes only the keys it is told it owns
-(``index_suffix``) and enforces its own share of the cap; ``exists`` always
-asks the file system, so no process answers from a stale index.
+shrink as the store fills the disk). ``exists`` always asks the file
+system, so no process answers from a stale index.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 from kvcached.storage.base import BackendError, StorageBackend, parts_len
+from kvcached.storage.ledger import SharedLedger
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +83,22 @@ class FileBackend(StorageBackend):
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # oldest access first
-        self._used = 0
+        self._used = 0  # bytes of the indexed objects (the ledger has everyone's)
+        self._written = 0  # bytes this process wrote since its last scan
         self._dirs: set[str] = set()
         self.counters.declare("evictions", "io_errors", "oversize_objects")
         self._open_root()
-        self._build_index()
+        self._ledger = SharedLedger(self.root / _ledger_name(index_suffix))
+        with self._ledger.locked():
+            self._ledger.write(self._scan())  # a recount: drift of crashed writers goes
+        logger.info("file storage %s: %d objects, %d bytes indexed", self.root,
+                    len(self._index), self._used)
         if not self.max_bytes and disk_fraction:
             free = shutil.disk_usage(self.root).free
             self.max_bytes = max(1, int(disk_fraction * (free + self._used)))
             logger.info("file storage %s: cap %d bytes (%.0f%% of the free disk and what "
                         "the store holds)", self.root, self.max_bytes, 100 * disk_fraction)
-            self._evict()
+        self._settle(0)
 
     # ------------------------------------------------------------ paths
     def _path(self, key: str) -> str:
@@ -120,8 +133,9 @@ class FileBackend(StorageBackend):
                 "directory")
         marker.write_text("kvcached storage v1\n")  # same content from every writer
 
-    def _build_index(self) -> None:
-        """Scan the directory once; order objects by modification time."""
+    def _scan(self) -> int:
+        """Rebuild the index from the directory, oldest modification first; returns
+        the bytes found (hold the ledger's lock: no writer renames meanwhile)."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
         for ns_entry in _scandir(self.root):
@@ -130,12 +144,15 @@ class FileBackend(StorageBackend):
             for fan in _scandir(ns_entry.path):
                 if fan.is_dir():
                     self._scan_fan(ns_entry.name, fan.path, found, now)
-        found.sort()
-        for _, key, size in found:
-            self._index[key] = size
-            self._used += size
-        logger.info("file storage %s: %d objects, %d bytes indexed", self.root,
-                    len(self._index), self._used)
+        with self._lock:
+            # File times tick in jiffies (ms): objects of one tick keep this
+            # process' order of use, unknown ones go first.
+            pos = {k: i for i, k in enumerate(self._index)}
+            found.sort(key=lambda f: (f[0], pos.get(f[1], -1)))
+            self._index = OrderedDict((key, size) for _, key, size in found)
+            self._used = sum(size for _, _, size in found)
+            self._written = 0
+            return self._used
 
     def _scan_fan(self, ns_name: str, path: str, found: list, now: float) -> None:
         for f in _scandir(path):
@@ -215,13 +232,16 @@ class FileBackend(StorageBackend):
                            f"{TMP_PREFIX}{os.getpid()}-{next(_counter)}")
         try:
             self._write_tmp(tmp, parts)
-            os.rename(tmp, path)  # atomic: readers see the old object, the new one, or none
-        except OSError as e:
+            with self._ledger.locked():
+                old = _size_of(path)
+                os.rename(tmp, path)  # atomic: readers see the old object, the new one, or none
+                self._remember(key, size, touch=True)
+                self._written += size
+                self._settle(size - old)
+        except OSError as e:  # TimeoutError (the ledger) included
             _unlink(tmp)
             self._io_error("write", key, e)
             return False
-        self._remember(key, size, touch=True)
-        self._evict()
         return True
 
     def _write_tmp(self, tmp: str, parts: list[memoryview]) -> None:
@@ -240,26 +260,30 @@ class FileBackend(StorageBackend):
             os.close(fd)
 
     def _delete(self, keys: list[str]) -> None:
-        for key in keys:
-            _unlink(self._path(key))
-            self._forget(key)
+        with self._ledger.locked():
+            freed = 0
+            for key in keys:
+                freed += _unlink_size(self._path(key))
+                self._forget(key)
+            self._ledger.write(self._ledger.read() - freed)
 
     def _clear(self) -> None:
-        import shutil
-
-        with self._lock:
-            self._index.clear()
-            self._used = 0
-            self._dirs.clear()
-        for entry in _scandir(self.root):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        with self._ledger.locked():
+            with self._lock:
+                self._index.clear()
+                self._used = 0
+                self._dirs.clear()
+            for entry in _scandir(self.root):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+            self._ledger.write(self._scan())  # other suffixes' objects went too
 
     def _close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._ledger.close()
 
     def _ping(self) -> bool:
         if not os.access(self.root, os.W_OK | os.X_OK):
@@ -267,8 +291,10 @@ class FileBackend(StorageBackend):
         return True
 
     def _extra_stats(self) -> dict:
+        """``bytes_used``: every writer's objects (the ledger); ``objects``: those
+        this process knows of."""
         with self._lock:
-            return {"bytes_used": self._used, "objects": len(self._index),
+            return {"bytes_used": self._ledger.read(), "objects": len(self._index),
                     "max_bytes": self.max_bytes, "root": str(self.root)}
 
     # ------------------------------------------------------------ index
@@ -292,20 +318,37 @@ class FileBackend(StorageBackend):
             if size is not None:
                 self._used -= size
 
-    def _evict(self) -> None:
-        """Drop least recently used objects until under the cap (never the newest)."""
-        if not self.max_bytes:
-            return
-        victims = []
-        with self._lock:
-            while self._used > self.max_bytes and len(self._index) > 1:
-                key, size = self._index.popitem(last=False)
-                self._used -= size
-                victims.append(key)
-        for key in victims:
-            _unlink(self._path(key))
-        if victims:
-            self.counters.inc("evictions", len(victims))
+    def _settle(self, delta: int) -> None:
+        """Add ``delta`` bytes to the ledger and evict down to the cap (hold its lock)."""
+        total = self._ledger.read() + delta
+        if self.max_bytes and total > self.max_bytes:
+            total = self._evict(total)
+        self._ledger.write(total)
+
+    def _evict(self, total: int) -> int:
+        """Unlink least recently used objects until ``total`` is under the cap (never
+        the newest); returns the new total. The index is rebuilt from the directory
+        first when a quarter of the cap was written since the last scan (others'
+        objects join the order), and when nothing else of this process is left."""
+        scanned = False
+        if self._written > self.max_bytes // 4:
+            total, scanned = self._scan(), True
+        evicted = 0
+        while total > self.max_bytes:
+            with self._lock:
+                victim = self._index.popitem(last=False) if len(self._index) > 1 else None
+                if victim is not None:
+                    self._used -= victim[1]
+            if victim is None:
+                if scanned:
+                    break
+                total, scanned = self._scan(), True
+                continue
+            total -= _unlink_size(self._path(victim[0]))  # 0: another writer evicted it
+            evicted += 1
+        if evicted:
+            self.counters.inc("evictions", evicted)
+        return total
 
     def _io_error(self, what: str, key: str, e: OSError) -> None:
         self.counters.inc("io_errors")
@@ -320,6 +363,32 @@ def _scandir(path) -> list[os.DirEntry]:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _ledger_name(index_suffix: str | None) -> str:
+    """The ledger of the objects with ``index_suffix`` (each rank has its own share)."""
+    return ".usage" + ("-" + quote(index_suffix, safe="") if index_suffix else "")
+
+
+def _size_of(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _unlink_size(path: str) -> int:
+    """Unlink ``path``; its size, or 0 when it was gone already (counted by whoever
+    removed it)."""
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+        return size
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        logger.debug("unlink %s: %s", path, e)
+        return 0
 
 
 def _unlink(path: str) -> None:
