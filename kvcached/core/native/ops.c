@@ -368,12 +368,17 @@ static void drop_cpu_leaf(core_t *c, int32_t i) {
 
 /* Whether a CPU-tier victim must reach storage before it leaves: its only
  * copy (a GPU node's backup is not), not in storage, and wanted by the write
- * policy: under write_through_selective a block reused at least once (the
- * evidence both eviction policies have that it is worth keeping). A failed
- * write-back is not retried (a broken store must not pin the tier). */
-static inline int wants_write_back(const core_t *c, const node_t *n) {
+ * policy. Under write_through_selective: a block the eviction policy rates
+ * worth keeping, i.e. one that was used again (any tier), or whose class in
+ * the adaptive CPU policy is above the lowest (it was hit there, or the
+ * ghost saw it come back after an eviction). A failed write-back is not
+ * retried (a broken store must not pin the tier). */
+static inline int wants_write_back(const core_t *c, int32_t i) {
+    const node_t *n = N(c, i);
     if (c->wb_mode == WB_NONE || n->state != S_CPU || n->in_storage || n->wb_failed) return 0;
-    return c->wb_mode == WB_ALL || n->uses > 0;
+    if (c->wb_mode == WB_ALL || n->uses > 0) return 1;
+    const policy_t *p = c->pol[T_CPU];
+    return p != NULL && ((p->pnode[i].meta >> 56) & 0xF) > 0;
 }
 
 static void hold_for_write_back(core_t *c, int32_t i) {
@@ -391,7 +396,7 @@ static void hold_chain(core_t *c, int32_t i) {
     for (int32_t p = N(c, i)->parent; p != ROOT && c->n_wb < WB_HOLD_MAX; p = N(c, p)->parent) {
         const node_t *n = N(c, p);
         if (n->n_cpu_children != 1 || n->n_gpu_children || n->ref || n->busy ||
-            !wants_write_back(c, n))
+            !wants_write_back(c, p))
             break;
         hold_for_write_back(c, p);
     }
@@ -408,7 +413,7 @@ static int32_t take_cpu_block(core_t *c) {
         if (c->n_wb == WB_HOLD_MAX) return NIL;
         int32_t i = leaves_pop(c, T_CPU);
         if (i == NIL) return NIL;
-        if (wants_write_back(c, N(c, i))) {
+        if (wants_write_back(c, i)) {
             hold_chain(c, i);
         } else if (N(c, i)->state == S_CPU) {
             drop_cpu_leaf(c, i);
