@@ -103,7 +103,8 @@ def merge_results(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
             out["bytes"] = out.get("bytes", 0) + res["bytes"]
         if isinstance(res.get("prefix"), int):
             out["prefix"] = min(out.get("prefix", res["prefix"]), res["prefix"])
-        if isinstance(res.get("stored"), list):  # stored only if stored on every rank
-            prev = out.get("stored", res["stored"])
-            out["stored"] = [min(a, b) for a, b in zip(prev, res["stored"])]
+        for key in ("stored", "prefixes"):  # stored, found: on every rank
+            if isinstance(res.get(key), list):
+                prev = out.get(key, res[key])
+                out[key] = [min(a, b) for a, b in zip(prev, res[key])]
     return out

@@ -82,11 +82,11 @@ def lookup(mgr, creq, limit: int) -> tuple[int, int]:
     CPU prefix at once, then storage's answer to a lookup task."""
     n_cpu, moving = mgr.engine_cpu_prefix(creq, limit)
     assert not moving
-    handle = mgr.engine_storage_lookup(creq, n_cpu, limit) if n_cpu < limit else None
-    if handle is None:
+    if n_cpu == limit or not mgr.storage_lookup_wanted(n_cpu, limit):
         return n_cpu, 0
+    handle = mgr.engine_storage_lookups([(creq, n_cpu, limit)])
     assert handle.wait(30) and handle.result.ok, handle.result
-    return n_cpu, int(handle.result.result["prefix"])
+    return n_cpu, int(handle.result.result["prefixes"][0])
 
 
 @pytest.fixture
@@ -240,7 +240,8 @@ def test_a_prefix_on_its_way_in_is_moving_until_it_lands(engine, tmp_path):
 
 def test_no_storage_lookup_without_storage(engine):
     _, mgr = engine()
-    assert mgr.engine_storage_lookup(mgr.engine_request(engine_hashes("n", 3)), 0, 3) is None
+    assert not mgr.storage_lookup_wanted(0, 3)
+    assert mgr.engine_storage_lookups([(mgr.engine_request(engine_hashes("n", 3)), 0, 3)]) is None
 
 
 def test_scheduler_step_time_in_status(engine):
@@ -280,3 +281,24 @@ def test_kv_events_of_the_cpu_tier_and_storage_name_the_engine_hashes(engine, tm
     assert [h for s, tier, h in got if s and tier == "cpu"] == kb
     assert len([h for s, tier, h in got if not s and tier == "cpu"]) == 2
     assert {h for s, tier, h in got if not s} <= set(ka)
+
+
+def test_one_lookup_task_answers_every_request_of_a_step(engine, tmp_path):
+    """The connector asks storage about every request of a step at once: one
+    task, one backend call, a prefix per request."""
+    planes, mgr = engine(storage_backend="file", storage_url=str(tmp_path / "store"))
+    a, b = engine_hashes("a", 4), engine_hashes("b", 3)
+    saver = mgr.engine_request(a)
+    save(mgr, [(saver, 4, [0, 1, 2, 3])])
+    mgr.engine_release(saver)
+    deadline = time.monotonic() + 30  # storage writes land after the save
+    while mgr.stats().storage.get("stored", 0) < 4:
+        assert time.monotonic() < deadline, mgr.stats().storage
+        time.sleep(0.01)
+    longer = a + engine_hashes("a2", 2)  # a's 4 blocks, then 2 never stored
+    runs = [(mgr.engine_request(longer), 1, 6), (mgr.engine_request(b), 0, 3),
+            (mgr.engine_request(a), 0, 4)]
+    handle = mgr.engine_storage_lookups(runs)
+    assert handle.wait(30) and handle.result.ok, handle.result
+    assert handle.result.result["prefixes"] == [3, 0, 4]
+

@@ -625,18 +625,27 @@ class CacheManager:
                 return 0, False
             return self.core.cpu_prefix(creq, limit)
 
-    def engine_storage_lookup(self, creq, start: int, limit: int) -> TaskHandle | None:
-        """Start looking blocks ``start..limit-1`` of the request up in storage (a
-        lookup task on every rank; its result's ``prefix`` counts the leading
-        blocks every rank has). None when storage is not to be asked: off,
-        unusable, or fewer blocks than ``storage_min_load_blocks``."""
+    def engine_storage_lookups(self, runs: list[tuple[object, int, int]]) -> TaskHandle | None:
+        """Start looking up blocks ``start..limit-1`` of each request in storage,
+        all in one task (one storage round trip; a lookup on every rank): its
+        result's ``prefixes`` counts, per run, the leading blocks every rank
+        has. None when storage is off or unusable; callers skip runs shorter
+        than ``storage_min_load_blocks`` (:meth:`storage_lookup_wanted`)."""
         with self._lock:
-            if not self.planner.storage_usable():
+            if not runs or not self.planner.storage_usable():
                 return None
-            if limit - start < max(1, self.cfg.storage_min_load_blocks):
-                return None
-            keys = [h.hex() for h in creq.hashes(start, limit)]
-            return self.planner.submit(Task("lookup", [], [], {"keys": keys}))
+            keys, lengths = [], []
+            for creq, start, limit in runs:
+                keys += [h.hex() for h in creq.hashes(start, limit)]
+                lengths.append(limit - start)
+            return self.planner.submit(Task("lookup", [], [], {"keys": keys,
+                                                               "lengths": lengths}))
+
+    def storage_lookup_wanted(self, start: int, limit: int) -> bool:
+        """Whether blocks ``start..limit-1`` are worth asking storage for."""
+        with self._lock:
+            return (self.planner.storage_usable()
+                    and limit - start >= max(1, self.cfg.storage_min_load_blocks))
 
     def engine_load(self, creq, start: int, stop: int, device_ids: list[int]) -> EngineLoad:
         """Pin the request's cached prefix and plan copying blocks ``start..stop-1``

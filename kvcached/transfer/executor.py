@@ -165,6 +165,12 @@ class RankExecutor:
         if self.store is None:
             raise RuntimeError(f"rank {self.rank}: no storage backend is attached")
         hashes = [bytes.fromhex(k) for k in task.args["keys"]]
+        if task.kind == "lookup" and "lengths" in task.args:  # several runs, one call
+            runs, at = [], 0
+            for n in task.args["lengths"]:
+                runs.append(hashes[at:at + n])
+                at += n
+            return {"prefixes": self.store.lookup_many(runs)}
         if task.kind == "lookup":
             return {"prefix": self.store.lookup(hashes)}
         if task.kind == "store":

@@ -498,6 +498,17 @@ def _check_keys(task: Task, count: int | None) -> None:
             f"task {task.kind}: {len(keys)} keys for {count} blocks (need one key per block)")
 
 
+def _check_lengths(task: Task) -> None:
+    """A lookup of several runs: ``lengths`` splits ``keys`` into them."""
+    if "lengths" not in task.args:
+        return
+    lengths = task.args["lengths"]
+    if (type(lengths) not in (list, tuple) or not all(type(n) is int and n >= 0 for n in lengths)
+            or sum(lengths) != len(task.args["keys"])):
+        raise ProtocolError(f"task lookup: args['lengths'] must be non-negative ints summing "
+                            f"to the {len(task.args['keys'])} keys, got {lengths!r}")
+
+
 def _check_empty(task: Task, *names: str) -> None:
     for name in names:
         if getattr(task, name):
@@ -529,6 +540,7 @@ def _check_task(task: Task, limits: Limits) -> None:
     elif kind == "lookup":
         _check_empty(task, "src", "dst")
         _check_keys(task, None)
+        _check_lengths(task)
     elif kind == "control":
         _check_empty(task, "src", "dst")
         op = task.args.get("op")

@@ -42,7 +42,8 @@ class KvcachedMetadata(KVConnectorMetadata):
 
 def _timed(method):
     """A scheduler hook: its time counts towards the step's (``kvcached status``
-    shows p50/p99 per step: what kvcached adds to vLLM's scheduler)."""
+    shows p50/p99 per step, from one build_connector_meta to the next: what
+    kvcached adds to vLLM's scheduler)."""
     @functools.wraps(method)
     def timed(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -100,15 +101,17 @@ class KvcachedConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         return self.scheduler.hit_sources(request, num_external_tokens)
 
-    @_timed
     def build_connector_meta(self, scheduler_output) -> KvcachedMetadata:
-        return KvcachedMetadata(*self.scheduler.build_meta(scheduler_output))
-
-    def update_connector_output(self, connector_output) -> None:
         t0 = time.perf_counter()
-        self.scheduler.update_output(connector_output)
-        # the step's last hook: its time is complete
+        meta = KvcachedMetadata(*self.scheduler.build_meta(scheduler_output))
+        # vLLM calls this once every step (update_connector_output not after a
+        # step with no forward): a step's time is from here to here
         self.scheduler.end_step(self.scheduler.hook_s + time.perf_counter() - t0)
+        return meta
+
+    @_timed
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_output(connector_output)
 
     @_timed
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -9,8 +9,9 @@ on I/O or on a worker: vLLM's scheduler never stalls on kvcached.
 - ``get_num_new_matched_tokens``: how many tokens past vLLM's own hit the
   CPU tier, then storage, hold (block-aligned; at least one prompt token is
   left to compute). The CPU tier answers at once; storage is asked by a
-  lookup task, and until it answers the request gets ``None`` (vLLM asks
-  again next step and schedules the others meanwhile). A lookup not
+  lookup task (one per step for every request asked: one storage round
+  trip), and until it answers the request gets ``None`` (vLLM asks again
+  next step and schedules the others meanwhile). A lookup not
   answered within ``storage_lookup_timeout_s`` is a miss. A request whose
   prefix is on its way into the CPU tier for another request (or out of it,
   saved) also gets ``None`` until that lands, so that it takes the whole hit
@@ -71,8 +72,10 @@ class Lookup:
 
     start: int
     limit: int
-    handle: TaskHandle
-    deadline: float
+    creq: object
+    handle: TaskHandle | None = None  # None until the step's lookups go out together
+    index: int = 0  # this lookup's run in its task
+    deadline: float = float("inf")
     found: int | None = None
 
 
@@ -198,6 +201,7 @@ class SchedulerHalf:
         self.sent: set[str] = set()  # finished requests whose saves are done
         self.step = 0
         self.planned_loads: list[tuple[Tracked, Load]] = []
+        self.lookups: list[Lookup] = []  # asked this step, not submitted yet
         self.kv_cache_manager = None
         self.block_pool = None
         self.pins: collections.Counter[int] = collections.Counter()  # block id -> our refs
@@ -251,15 +255,17 @@ class SchedulerHalf:
             return 0
         lk = t.lookup
         if lk is None or (lk.start, lk.limit) != (start, limit):
-            handle = self.mgr.engine_storage_lookup(t.creq, start, limit)
-            if handle is None:
+            if not self.mgr.storage_lookup_wanted(start, limit):
                 return 0
-            t.lookup = Lookup(start, limit, handle, now + self.lookup_timeout_s)
+            t.lookup = Lookup(start, limit, t.creq)
+            self.lookups.append(t.lookup)  # submitted with the step's others
             return None
         if lk.found is None:
+            if lk.handle is None:
+                return None
             if lk.handle.done():
                 r = lk.handle.result
-                lk.found = int(r.result.get("prefix", 0)) if r.ok else 0
+                lk.found = int(r.result["prefixes"][lk.index]) if r.ok else 0
                 if not r.ok:
                     self.mgr.count_storage("lookup_failed")
             elif now >= lk.deadline:
@@ -359,6 +365,7 @@ class SchedulerHalf:
         for rid in scheduler_output.preempted_req_ids or ():
             self._preempted(rid)
         self._run_saves()
+        self._submit_lookups()
         self._submit_loads()
         self._plan_saves(scheduler_output)
         self._poll_saves()
@@ -502,6 +509,21 @@ class SchedulerHalf:
                 self.saves.append(SavePlan(self.step, rid, blocks, ids))
                 t.saves += 1
                 t.saved = blocks
+
+    # ---------------------------------------------------------------- lookups
+    def _submit_lookups(self) -> None:
+        """This step's storage lookups, one task: one round trip to storage for
+        all the requests vLLM asked about."""
+        if not self.lookups:
+            return
+        batch, self.lookups = self.lookups, []
+        handle = self.mgr.engine_storage_lookups([(lk.creq, lk.start, lk.limit)
+                                                  for lk in batch])
+        deadline = time.monotonic() + self.lookup_timeout_s
+        for i, lk in enumerate(batch):
+            if handle is None:
+                lk.found = 0  # storage went unusable since
+            lk.handle, lk.index, lk.deadline = handle, i, deadline
 
     # ------------------------------------------------------------------ loads
     def _submit_loads(self) -> None:
