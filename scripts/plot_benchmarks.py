@@ -16,7 +16,10 @@ whole output can be saved and passed as is. Charts, one per kind found:
 - ``vllm.png``: TTFT of a hit by where it comes from, and multi-turn chat
   TTFT and prefill computed per mode (``scripts/bench_vllm.py``);
 - ``policy.png``: hit rate of LRU, the adaptive policy and the offline
-  optimum at each cache size, per workload (``scripts/bench_policy.py``).
+  optimum at each cache size, per workload (``scripts/bench_policy.py``);
+- ``write_policy.png``: bytes written to storage per request and the fleet's
+  hit rate, per storage write policy, fleet size and routing
+  (``scripts/bench_write_policy.py``).
 
 matplotlib is optional: without it the script says so and exits 0.
 """
@@ -211,6 +214,36 @@ def plot_policy(plt, results: list[dict], out: Path) -> Path:
     return _save(fig, out / "policy.png")
 
 
+WRITE_POLICIES = (("write_through", "tab:blue"), ("write_through_selective", "tab:orange"),
+                  ("write_back", "tab:green"))
+
+
+def plot_write_policy(plt, results: list[dict], out: Path) -> Path:
+    """Per fleet (instances, routing): KiB written per request, and the fleet's
+    hit rate (storage's part hatched), one bar per write policy."""
+    rows = results[-1]["rows"]
+    fleets = sorted({(r["instances"], r["routing"]) for r in rows})
+    by = {(r["instances"], r["routing"], r["policy"]): r for r in rows}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    xs = range(len(fleets))
+    for k, (policy, color) in enumerate(WRITE_POLICIES):
+        got = [by.get((n, routing, policy)) for n, routing in fleets]
+        at = [x + (k - 1) * 0.27 for x in xs]
+        a.bar(at, [r["bytes_written_per_request"] / 1024 if r else 0 for r in got], 0.27,
+              color=color, label=policy)
+        b.bar(at, [r["hit_rate"] if r else 0 for r in got], 0.27, color=color, label=policy)
+        b.bar(at, [r["hit_rate_storage"] if r else 0 for r in got], 0.27, color="none",
+              edgecolor="black", hatch="//", lw=0)
+    labels = [f"{n} instances\n{routing}" for n, routing in fleets]
+    a.set_xticks(list(xs), labels, fontsize=8)
+    b.set_xticks(list(xs), labels, fontsize=8)
+    a.set(ylabel="KiB written to storage / request", title="What each policy writes")
+    b.set(ylabel="hit rate (hatched: from storage)", ylim=(0, 1),
+          title="What the fleet hits")
+    a.legend(fontsize=7)
+    return _save(fig, out / "write_policy.png")
+
+
 def _kib(n: int) -> str:
     return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
 
@@ -250,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         drawn.append(plot_vllm(plt, results["vllm"], args.out))
     if "policy" in results:
         drawn.append(plot_policy(plt, results["policy"], args.out))
+    if "write_policy" in results:
+        drawn.append(plot_write_policy(plt, results["write_policy"], args.out))
     for p in drawn:
         print(p)
     if not drawn:
-        print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace, vllm or policy results",
+        print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace, vllm, policy "
+              "or write_policy results",
               file=sys.stderr)
     return 0
 

@@ -305,6 +305,24 @@ def test_blockstore_loads_into_pool_without_copies(tmp_path):
     assert target.data_ptr() == ptr and torch.equal(target.flip(0), pool)
 
 
+def test_blockstore_does_not_write_what_storage_holds(tmp_path):
+    """A block another writer (here: another BlockStore on the same directory)
+    already stored is not written again, and counts as stored."""
+    a, b = make_store(_file(tmp_path)), make_store(_file(tmp_path))
+    pool, hashes = make_pool(6), make_hashes(6)
+    assert a.store(hashes[:4], pool, [0, 1, 2, 3]) == [True] * 4
+    path = _object_path(a.backend, a.keys(hashes[:1])[0])
+    before = os.stat(path).st_mtime_ns
+    other = make_pool(6, seed=9)  # same keys, other bytes: a rewrite would show
+    assert b.store(hashes, other, [0, 1, 2, 3, 4, 5]) == [True] * 6
+    h = b.health()
+    assert (h["stored"], h["already_stored"]) == (2, 4)
+    assert os.stat(path).st_mtime_ns == before
+    target = torch.zeros_like(pool)
+    assert a.load(hashes, target, list(range(6))) == 6
+    assert torch.equal(target[:4], pool[:4]) and torch.equal(target[4:], other[4:])
+
+
 # ------------------------------------------------------------------ factory
 @pytest.mark.parametrize("kind,url,match", [
     ("redis", "127.0.0.1:6379", "redis://127.0.0.1:6379"),

@@ -297,7 +297,7 @@ def test_engine_tier_write_back_and_selective(tmp_path):
         mgr.attach_storage("file", str(tmp_path / "store2"))  # a fresh store, same rules
         mgr._set_cfg(mgr.cfg.replace(storage_write_policy="write_through_selective"))
         third = engine_hashes("c", 2)
-        for k in range(2):  # computed, then reused once
+        for _k in range(2):  # computed, then reused once
             r3 = mgr.engine_request(third)
             save(mgr, [(r3, 2, [8, 9])])
             mgr.engine_release(r3)

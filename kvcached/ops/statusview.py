@@ -178,8 +178,10 @@ def _health_line(h: dict[str, Any]) -> str:
     extra = [f"{k} {h[k]}" for k in ("errors", "timeouts") if h.get(k)]
     if h.get("breaker") not in (None, "", "closed"):
         extra.append(f"breaker {h['breaker']}")
-    return ", ".join([space, f"loaded {h.get('loaded', 0)}", f"stored {h.get('stored', 0)}",
-                      rej, *extra])
+    stored = f"stored {h.get('stored', 0)}"
+    if h.get("already_stored"):
+        stored += f" (+{h['already_stored']} already there)"
+    return ", ".join([space, f"loaded {h.get('loaded', 0)}", stored, rej, *extra])
 
 
 def human_bytes(n: float) -> str:

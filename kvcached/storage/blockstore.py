@@ -65,7 +65,8 @@ class BlockStore:
         self.rank = rank
         self.tp_size = tp_size
         self.namespace = namespace
-        self.counters = Counters("blocks_stored", "blocks_store_failed", "blocks_loaded",
+        self.counters = Counters("blocks_stored", "blocks_already_stored",
+                                 "blocks_store_failed", "blocks_loaded",
                                  "load_misses", "lookups", "lookup_hits", "damaged_deleted",
                                  *(f"miss_{r}" for r in MISS_REASONS))
         self._lock = threading.Lock()
@@ -108,12 +109,27 @@ class BlockStore:
     # ------------------------------------------------------------ API
     def store(self, hashes: Sequence[bytes], host_pool: torch.Tensor,
               host_ids: Sequence[int]) -> list[bool]:
-        """Write host blocks ``host_ids`` as the objects of ``hashes``; ok per block."""
+        """Write host blocks ``host_ids`` as the objects of ``hashes``; ok per block.
+        Objects storage already holds are not written again (a fleet computes and
+        evicts the same blocks on several instances): they count as stored."""
         _same_len(hashes, host_ids)
         if not hashes:
             return []
         view, bb = self._pool_view(host_pool, host_ids)
         keys = self.keys(hashes)
+        have = self.backend.exists(keys)
+        todo = [i for i, h in enumerate(have) if not h]
+        self.counters.inc("blocks_already_stored", len(keys) - len(todo))
+        ok = [True] * len(keys)
+        if todo:
+            wrote = self._put([hashes[i] for i in todo], [host_ids[i] for i in todo],
+                              [keys[i] for i in todo], view, bb)
+            for i, w in zip(todo, wrote, strict=True):
+                ok[i] = w
+        return ok
+
+    def _put(self, hashes: Sequence[bytes], host_ids: Sequence[int], keys: list[str],
+             view: memoryview, bb: int) -> list[bool]:
         with self._arena(len(hashes)) as hdrs:
             bufs = []
             for i, (h, hid) in enumerate(zip(hashes, host_ids, strict=True)):
@@ -211,7 +227,8 @@ class BlockStore:
         store), objects rejected on read by reason (each a miss), backend errors."""
         c, b = self.counters.snapshot(), self.backend.stats()
         out = {"kind": b.get("kind", "?"), "loaded": c["blocks_loaded"],
-               "stored": c["blocks_stored"], "store_failed": c["blocks_store_failed"],
+               "stored": c["blocks_stored"], "already_stored": c["blocks_already_stored"],
+               "store_failed": c["blocks_store_failed"],
                "load_misses": c["load_misses"], "damaged_deleted": c["damaged_deleted"],
                "rejected": {r: c[f"miss_{r}"] for r in MISS_REASONS if c[f"miss_{r}"]},
                "errors": b.get("errors", 0), "timeouts": b.get("timeouts", 0),
