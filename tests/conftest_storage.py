@@ -8,6 +8,7 @@ ports, and every wait polls a condition until a deadline.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -280,6 +281,27 @@ def mooncake_binary(name: str) -> str | None:
     """Path of a binary shipped by the mooncake wheel (venv bin or PATH)."""
     cand = VENV_BIN / name
     return str(cand) if cand.exists() else shutil.which(name)
+
+
+def mooncake_unavailable() -> str | None:
+    """Why the Mooncake servers cannot run here (None: they can, in a private
+    network namespace)."""
+    if importlib.util.find_spec("mooncake") is None:
+        return ("mooncake-transfer-engine-non-cuda is not installed "
+                "(scripts/install_services.sh installs it)")
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        return f"mooncake.store does not import ({e}); apt-get install libibverbs1"
+    if not (mooncake_binary("mooncake_master") and mooncake_binary("mooncake_client")):
+        return "mooncake_master / mooncake_client binaries not found next to the interpreter"
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "needs unshare (util-linux) and ip (iproute2) for a private network namespace"
+    r = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a private network namespace (unshare -n: {r.stderr.strip()}); " \
+               "run as root"
+    return None
 
 
 class MooncakeServers:

@@ -9,9 +9,7 @@ never run in the caller's network namespace: the one test collected normally,
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from conftest_storage import (  # noqa: E402
     make_hashes,
     make_pool,
     make_store,
-    mooncake_binary,
+    mooncake_unavailable,
     wait_until,
 )
 
@@ -41,29 +39,10 @@ IN_NETNS = os.environ.get("KVCACHED_MOONCAKE_NETNS") == "1"
 NETNS_ENV = "KVCACHED_MOONCAKE_NETNS"
 
 
-def _why_not_runnable() -> str | None:
-    if importlib.util.find_spec("mooncake") is None:
-        return ("mooncake-transfer-engine-non-cuda is not installed "
-                "(scripts/install_services.sh installs it)")
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:
-        return f"mooncake.store does not import ({e}); apt-get install libibverbs1"
-    if not (mooncake_binary("mooncake_master") and mooncake_binary("mooncake_client")):
-        return "mooncake_master / mooncake_client binaries not found next to the interpreter"
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "needs unshare (util-linux) and ip (iproute2) for a private network namespace"
-    r = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"cannot create a private network namespace (unshare -n: {r.stderr.strip()}); " \
-               "run as root"
-    return None
-
-
 # ---------------------------------------------------------------- outer run
 def test_mooncake_suite_in_private_netns():
     """Run the real Mooncake tests in a private network namespace."""
-    why = _why_not_runnable()
+    why = mooncake_unavailable()
     if why:
         pytest.skip(why)
     env = {**os.environ, NETNS_ENV: "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",

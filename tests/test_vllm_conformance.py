@@ -7,8 +7,8 @@
   on its storage (every request of a group looks its blocks up while another
   loads the shared head);
 - by a fresh process after a quarter of the stored objects were damaged;
-- by two live instances on one storage (file, Redis), each serving what the
-  other computed;
+- by two live instances on one storage (file, Redis, Mooncake Store), each
+  serving what the other computed;
 - with every prompt chunked (a 256-token budget) and so few KV blocks (48)
   that vLLM queues and preempts;
 - with Redis as storage, frozen (SIGSTOP) and then killed.
@@ -22,12 +22,19 @@ full blocks come cached. Each scenario is one vLLM process
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-from conftest_storage import NO_REDIS_REASON, REDIS_SERVER, RedisServer
+from conftest_storage import NO_REDIS_REASON, REDIS_SERVER, RedisServer, mooncake_unavailable
 from vllm_runs import (
     AFTER,
     BLOCK,
     CONTROL,
+    DEADLINE_S,
     GROUPS,
     HEAD,
     NEW,
@@ -160,14 +167,36 @@ def distinct_blocks(prompts: list[list[int]]) -> int:
     return sum(spec[1] // BLOCK for spec in prompts) - shared
 
 
-@pytest.mark.parametrize("backend", ["file", pytest.param("redis", marks=pytest.mark.skipif(
-    REDIS_SERVER is None, reason=NO_REDIS_REASON))])
+MOONCAKE_WHY = mooncake_unavailable()
+
+
+def run_in_netns(specs: list[dict], tmp_path) -> list[dict]:
+    """Run the app specs at once on a Mooncake Store, all in a private network
+    namespace (``tests/netns_fleet.py``)."""
+    src, out = tmp_path / "specs.json", tmp_path / "results.json"
+    src.write_text(json.dumps(specs))
+    inner = 'ip link set lo up && exec "$0" "$1" "$2" "$3"'
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"}
+    res = subprocess.run(["unshare", "-n", "sh", "-c", inner, sys.executable,
+                          str(Path(__file__).with_name("netns_fleet.py")), str(src), str(out)],
+                         capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+    assert res.returncode == 0 and out.is_file(), \
+        f"fleet on Mooncake failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n" \
+        f"{res.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("backend", [
+    "file",
+    pytest.param("redis", marks=pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)),
+    pytest.param("mooncake", marks=pytest.mark.skipif(MOONCAKE_WHY is not None,
+                                                      reason=str(MOONCAKE_WHY)))])
 def test_two_live_instances_share_storage(model, plain, tmp_path, backend):
     """Two vLLM instances alive at once on one storage: B serves what A
     computed, then A serves what B computed, each prompt >= 90% from storage."""
     import concurrent.futures
     redis = RedisServer(tmp_path).start() if backend == "redis" else None
-    url = redis.url if redis else str(tmp_path / "store")
+    url = redis.url if redis else str(tmp_path / "store")  # mooncake: set in the netns
     a_done, b_done = str(tmp_path / "a-stored"), str(tmp_path / "b-stored")
     need = distinct_blocks(GROUPS)
 
@@ -179,8 +208,11 @@ def test_two_live_instances_share_storage(model, plain, tmp_path, backend):
     b = spec("b", [["wait_file", a_done], ["generate", "g"], ["generate", "new"],
                    ["wait_stored", distinct_blocks(NEW)], ["touch", b_done]])
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            ra, rb = pool.map(run_app, [a, b])
+        if backend == "mooncake":
+            ra, rb = run_in_netns([a, b], tmp_path)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                ra, rb = pool.map(run_app, [a, b])
     finally:
         if redis:
             redis.stop()
