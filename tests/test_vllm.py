@@ -3,8 +3,9 @@
 Each test runs ``tests/vllm_app.py`` in its own process (a test process must
 not hold vLLM) on a small random-weight Llama made at test time; vLLM runs
 in that one process, except where a test needs its process layout (an
-engine-core process and a worker process per rank: tensor parallelism,
-workers started by ``kvcached launch``). Greedy outputs must match a run
+engine-core process and a worker process per rank: tensor parallelism).
+One test starts vLLM's OpenAI server as a user would, with the README's
+flag and workers started by ``kvcached launch``, and restarts it. Greedy outputs must match a run
 without the connector token for token; vLLM's own ``num_cached_tokens``
 shows what kvcached served.
 """
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_runs import APP, BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_share
+from vllm_runs import BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_share
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
@@ -173,39 +174,112 @@ def test_cuda_ipc_path(model, tmp_path):
     assert res["steps"][-1]["status"]["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
 
 
-def test_workers_from_kvcached_launch(model, baseline, tmp_path):
-    """Sidecar workers: vLLM (spawn_workers = false) waits for them; the operator
-    starts `kvcached launch --run-dir` once vLLM wrote its config there."""
-    import time
-    run_dir = tmp_path / "run"
-    extra = {"num_cpu_blocks": 256, "run_dir": str(run_dir), "spawn_workers": False,
-             "worker_start_timeout_s": 300}
-    spec = {"model": model, "extra": extra, "prompts": PROMPTS, "multiprocess": True,
-            "steps": [["generate", "p"], ["reset"], ["generate", "p"]]}
-    result = tmp_path / "result.json"
-    app = subprocess.Popen([sys.executable, str(APP), json.dumps(spec), str(result)], text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    launcher = None
-    try:
+class Served:
+    """``python -m vllm.entrypoints.openai.api_server`` (the CPU wheel has no
+    ``vllm`` command) with the README's flag, its transfer workers sidecars
+    from ``kvcached launch`` (``spawn_workers = false``)."""
+
+    def __init__(self, model: str, run_dir: Path, store: Path, log: Path):
+        from conftest_storage import free_port
+        self.model, self.port, self.run_dir = model, free_port(), run_dir
+        cfg = {"kv_connector": "KvcachedConnector",
+               "kv_connector_module_path": "kvcached.integrations.vllm",
+               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+               "kv_connector_extra_config": {
+                   "num_cpu_blocks": 256, "storage_backend": "file", "storage_url": str(store),
+                   "run_dir": str(run_dir), "spawn_workers": False,
+                   "worker_start_timeout_s": 300}}
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
+             "--block-size", str(BLOCK), "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
+             "--kv-transfer-config", json.dumps(cfg)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.launcher = None
+
+    def wait_ready(self) -> None:
+        """The operator's part: once vLLM wrote its config, `kvcached launch`;
+        then vLLM answers /health."""
+        self._until(lambda: (self.run_dir / "config.json").is_file(), "vLLM's kvcached config")
+        self.launcher = subprocess.Popen(
+            [sys.executable, "-m", "kvcached", "launch", "--run-dir", str(self.run_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._until(lambda: self.get("/health") is not None, "vLLM's /health")
+
+    def _until(self, ready, what: str) -> None:
+        import time
         deadline = time.monotonic() + DEADLINE_S
-        while not (run_dir / "config.json").is_file():
-            assert app.poll() is None, f"vLLM exited early:\n{app.stderr.read()[-5000:]}"
-            assert time.monotonic() < deadline, "vLLM never wrote its kvcached config"
+        while not ready():
+            assert self.proc.poll() is None, f"vLLM exited:\n{self.log.name}"
+            assert time.monotonic() < deadline, f"no {what} within {DEADLINE_S}s"
             time.sleep(0.2)
-        launcher = subprocess.Popen([sys.executable, "-m", "kvcached", "launch", "--run-dir",
-                                     str(run_dir)], stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True)
-        out, err = app.communicate(timeout=DEADLINE_S)
-        assert app.returncode == 0, err[-5000:]
-    finally:
-        app.kill()
-        if launcher is not None:
-            launcher.terminate()
-            launcher.wait(timeout=30)
-    res = json.loads(result.read_text())
-    cold, warm = generated(res)
-    assert cold["outputs"] == warm["outputs"] == baseline
-    assert min(served_share(warm, PROMPTS["p"])) >= 0.9, warm["cached"]
+
+    def get(self, path: str) -> str | None:
+        import urllib.request
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return None
+
+    def complete(self, prompt: list[int]) -> list[int]:
+        import urllib.request
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=DEADLINE_S) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]
+
+    def stop(self) -> None:
+        import signal
+        for proc in (self.proc, self.launcher):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT) if proc is self.proc else proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.log.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample of ``/metrics`` (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_vllm_serve_restarted_serves_from_storage(model, baseline, tmp_path):
+    """vLLM's OpenAI server with kvcached (sidecar workers from `kvcached
+    launch`): a prompt through /v1/completions, the server restarted, the same
+    prompt again: the same tokens, and /metrics shows it came from storage
+    (vLLM's disk source, vllm:kvcached_hit_tokens{tier="storage"})."""
+    import vllm_app
+    prompt = vllm_app.prompts([SINGLE[0]])[0]
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    store, outputs = tmp_path / "store", []
+    for k in range(2):
+        srv = Served(model, tmp_path / f"run{k}", store, tmp_path / f"vllm{k}.log")
+        try:
+            srv.wait_ready()
+            outputs.append(srv.complete(prompt))
+            if k == 0:  # written through to storage before the server goes
+                vllm_app.wait_stored(str(srv.run_dir), full // BLOCK, idle=lambda: None)
+            else:
+                text = srv.get("/metrics") or ""
+        finally:
+            srv.stop()
+    assert outputs == [baseline[0], baseline[0]]
+    assert metric(text, "vllm:prompt_tokens_cached_by_source_total", source="disk") == full, \
+        [line for line in text.splitlines() if "cached" in line]
+    assert metric(text, "vllm:kvcached_hit_tokens_total", tier="storage") == full
+    assert metric(text, "vllm:kvcached_hit_tokens_total", tier="cpu") == 0
 
 
 def test_bench_vllm_quick():
