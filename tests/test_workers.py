@@ -90,6 +90,22 @@ def test_worker_command_line_and_logs(workers_manager):
     assert all("worker-rank1" in line for line in log.read_text().splitlines() if line)
 
 
+def test_a_kvcached_checkout_in_the_current_directory_is_not_the_workers(
+        workers_manager, tmp_path, monkeypatch):
+    """Workers run the engine's copy of kvcached: another one in the engine's
+    current directory (a checkout of another version) would otherwise come
+    first on the worker's path."""
+    decoy = tmp_path / "cwd" / "kvcached"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy kvcached was imported')\n")
+    (decoy / "__main__.py").write_text("raise SystemExit('the decoy kvcached ran')\n")
+    monkeypatch.chdir(decoy.parent)
+    mgr = workers_manager(tp_size=1)
+    assert [w["state"] for w in mgr.stats().workers] == ["ready"]
+    cmd = Path(f"/proc/{mgr.stats().workers[0]['pid']}/cmdline").read_bytes().split(b"\0")
+    assert b"-P" in cmd
+
+
 def test_sigkill_worker_mid_task_fails_fast_and_serving_continues(workers_manager):
     mgr = workers_manager(tp_size=2, num_gpu_blocks=8, num_cpu_blocks=4)
     prompt = toks(1, 2, 3)

@@ -32,14 +32,20 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvcached.config import CacheConfig
-from kvcached.transfer.restarts import STABLE_S, backoff_s, count_crash, may_restart
+from kvcached.transfer.restarts import (
+    STABLE_S,
+    backoff_s,
+    count_crash,
+    may_restart,
+    worker_command,
+    worker_env,
+)
 from kvcached.transfer.worker import EXIT_REFUSED
 
 logger = logging.getLogger(__name__)
@@ -147,13 +153,12 @@ class Launcher:
     def _spawn(self, r: _Rank) -> None:
         if r.proc is not None:
             r.restarts += 1
-        cmd = [sys.executable, "-m", "kvcached", "worker", "--rank", str(r.rank),
-               "--run-dir", str(self.run_dir), "--restarts", str(r.restarts)]
+        cmd = worker_command(r.rank, self.run_dir, "--restarts", str(r.restarts))
         if self.config_path:
             cmd += ["--config", str(self.config_path)]
         with open(self.log_dir / f"worker-rank{r.rank}.stderr", "ab") as err:
             r.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=err, start_new_session=True,
+                                      stderr=err, start_new_session=True, env=worker_env(),
                                       preexec_fn=_die_with_parent(os.getpid()))
         r.started_at = time.monotonic()
         logger.info("launcher: rank %d started as pid %d (restart %d)", r.rank, r.proc.pid,

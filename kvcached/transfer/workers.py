@@ -36,7 +36,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +52,13 @@ from kvcached.transfer.base import Transfer
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
 from kvcached.transfer.fastpath import done_parser
 from kvcached.transfer.peers import PeerTracker
-from kvcached.transfer.restarts import backoff_s, count_crash, may_restart
+from kvcached.transfer.restarts import (
+    backoff_s,
+    count_crash,
+    may_restart,
+    worker_command,
+    worker_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -571,11 +576,10 @@ class WorkerTransfer(Transfer):
             self._ready_cv.notify_all()
 
     def _spawn(self, w: _WorkerState) -> None:
-        cmd = [sys.executable, "-m", "kvcached", "worker", "--rank", str(w.rank),
-               "--run-dir", str(self.run_dir), "--engine-pid", str(os.getpid()),
-               "--restarts", str(w.restarts)]
+        cmd = worker_command(w.rank, self.run_dir, "--engine-pid", str(os.getpid()),
+                             "--restarts", str(w.restarts))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        w.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+        w.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env(),
                                   stdout=subprocess.DEVNULL,
                                   stderr=open(self.log_dir / f"worker-rank{w.rank}.stderr", "ab"))
         w.last_seen = time.monotonic()
