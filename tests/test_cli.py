@@ -39,7 +39,7 @@ STATUS = {
         {"rank": 0, "pid": 4242, "state": "ready", "last_seen_s": 0.2, "restarts": 0,
          "queues": {"out": 3, "in": 1, "storage": 2, "ctl": 0}, "done": 17, "fast": 15, "failed": 0,
          "storage": {"kind": "file", "loaded": 5, "stored": 12, "already_stored": 4,
-                     "used_bytes": 3 * 2**20,
+                     "used_bytes": 3 * 2**20, "objects": 24, "lookups": 7, "found": 9,
                      "max_bytes": 2**30, "errors": 1, "breaker": "",
                      "rejected": {"checksum_mismatch": 2, "short_read": 1}}},
         {"rank": 1, "pid": 4343, "state": "lost", "last_seen_s": 9.5, "restarts": 2,
@@ -166,8 +166,8 @@ def test_status_text_shows_workers_tiers_hits_transfers_storage_logs(engine):
     assert next(line for line in lines if line.strip().startswith("store_failed")).split()[:2] \
         == ["store_failed", "2"]
     assert "blocks whose write failed" in out
-    assert ("rank 0: 3.0 MiB used of 1.0 GiB cap, loaded 5, stored 12 (+4 already there), "
-            "rejected 3 "
+    assert ("rank 0: 24 objects known, 3.0 MiB used of 1.0 GiB cap, 7 lookups found 9 blocks, "
+            "loaded 5, stored 12 (+4 already there), rejected 3 "
             "(checksum mismatch 2, short read 1), errors 1") in out
     assert "evictions (blocks): gpu_to_cpu 20" in out
     # The eviction policy, and (adaptive) each tier's ghost and what it remembered.

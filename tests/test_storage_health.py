@@ -62,6 +62,8 @@ def test_rejected_objects_are_in_status_json_text_and_metrics(tmp_path, mode):
                           "the rejection to reach status")
         assert health["rejected"] == {"checksum_mismatch": 1}
         assert health["loaded"] == 3 and 0 < health["used_bytes"] <= health["max_bytes"]
+        # the lookup found every stored block (the damage shows on read only)
+        assert health["lookups"] >= 1 and health["found"] >= 4 and health["objects"] >= 4
 
         res = CliRunner().invoke(main, ["status", "--json", "--run-dir", str(mgr.run_dir)])
         assert res.exit_code == 0, res.output

@@ -167,7 +167,8 @@ def _storage_lines(counts: dict, health: list[tuple[Any, dict]]) -> list[str]:
 
 def _health_line(h: dict[str, Any]) -> str:
     used, cap = h.get("used_bytes"), h.get("max_bytes")
-    space = (f"{human_bytes(used)} used" + (f" of {human_bytes(cap)} cap" if cap else ", no cap")
+    space = (f"{h.get('objects', 0)} objects known, {human_bytes(used)} used"
+             + (f" of {human_bytes(cap)} cap" if cap else ", no cap")
              if used is not None else f"{h.get('kind', '?')} backend")
     rejected = h.get("rejected") or {}
     words: dict[str, int] = {}
@@ -181,7 +182,8 @@ def _health_line(h: dict[str, Any]) -> str:
     stored = f"stored {h.get('stored', 0)}"
     if h.get("already_stored"):
         stored += f" (+{h['already_stored']} already there)"
-    return ", ".join([space, f"loaded {h.get('loaded', 0)}", stored, rej, *extra])
+    looked = f"{h.get('lookups', 0)} lookups found {h.get('found', 0)} blocks"
+    return ", ".join([space, looked, f"loaded {h.get('loaded', 0)}", stored, rej, *extra])
 
 
 def human_bytes(n: float) -> str:

@@ -226,7 +226,8 @@ class BlockStore:
         """What `kvcached status` shows of this rank's storage: traffic, space (file
         store), objects rejected on read by reason (each a miss), backend errors."""
         c, b = self.counters.snapshot(), self.backend.stats()
-        out = {"kind": b.get("kind", "?"), "loaded": c["blocks_loaded"],
+        out = {"kind": b.get("kind", "?"), "lookups": c["lookups"],
+               "found": c["lookup_hits"], "loaded": c["blocks_loaded"],
                "stored": c["blocks_stored"], "already_stored": c["blocks_already_stored"],
                "store_failed": c["blocks_store_failed"],
                "load_misses": c["load_misses"], "damaged_deleted": c["damaged_deleted"],
@@ -234,7 +235,8 @@ class BlockStore:
                "errors": b.get("errors", 0), "timeouts": b.get("timeouts", 0),
                "breaker": b.get("breaker_state", "")}
         if "bytes_used" in b:
-            out.update(used_bytes=b["bytes_used"], max_bytes=b.get("max_bytes", 0))
+            out.update(used_bytes=b["bytes_used"], max_bytes=b.get("max_bytes", 0),
+                       objects=b.get("objects", 0))
         return out
 
     def release_host_pool(self) -> None:
