@@ -236,14 +236,16 @@ class Served:
 
     def stop(self) -> None:
         import signal
-        for proc in (self.proc, self.launcher):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT) if proc is self.proc else proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+
+        from conftest_storage import stop_process
+        if self.proc.poll() is None:  # vLLM's processes shut down on SIGINT, as from a shell
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        stop_process(self.launcher, timeout=60)
         self.log.close()
 
 
