@@ -80,7 +80,8 @@ def batched(model, store, tmp_path_factory) -> dict:
     run = tmp_path_factory.mktemp("run-batched")
     extra = kv_extra(run, storage_backend="file", storage_url=str(store))
     return run_app({"model": model, "extra": extra, "prompts": PROMPTS,
-                    "steps": [["generate", "g"], ["reset"], ["generate", "g"], ["status"]]})
+                    "steps": [["generate", "g"], ["reset"], ["generate", "g"], ["status"],
+                              ["kv_events_kept"]]})
 
 
 def test_a_batch_sharing_prefixes_is_served_whole(batched, plain):
@@ -91,6 +92,14 @@ def test_a_batch_sharing_prefixes_is_served_whole(batched, plain):
     status = status_of(batched)["stats"]
     distinct = sum(n // BLOCK for _, n, _, _ in GROUPS) - 4 * 3 * (HEAD // BLOCK)
     assert status["tiers"]["cpu"]["used"] >= distinct  # every full prompt block, once
+
+
+def test_kv_events_are_kept_only_when_vllm_publishes_them(batched):
+    """vLLM asks for KV events every step; without kv_events_config they are
+    not built, and no names are kept for them (the served run in test_vllm
+    checks the published case)."""
+    kept = next(s["kept"] for s in batched["steps"] if s["step"] == ["kv_events_kept"])
+    assert kept == {"names": 0, "take_events": 0, "events_on": False, "manager": 0}, kept
 
 
 def test_damaged_objects_are_recomputed_and_aborts_are_safe(batched, model, store, tmp_path,

@@ -305,6 +305,11 @@ def main(spec: dict) -> dict:
                                  "preemptions": metric(llm, "vllm:num_preemptions")})
         elif step[0] == "status":
             out["steps"].append({"step": step, "status": status(run_dir)})
+        elif step[0] == "kv_events_kept":  # one process: the scheduler half's event state
+            half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+            out["steps"].append({"step": step, "kept": {
+                "names": len(half.names), "take_events": len(half.take_events()),
+                "events_on": half.events_on, "manager": len(half.mgr.take_kv_events())}})
         else:
             raise ValueError(f"unknown step {step!r}")
     return out

@@ -187,7 +187,12 @@ class SchedulerHalf:
         # A prefix moving for another request lands within a task's time.
         self.move_wait_s = cfg.task_timeout_s
         self.mgr = CacheManager(cfg).start()
-        self.mgr.keep_kv_events()  # vLLM publishes them (take_events)
+        # vLLM asks for KV events every step, published or not: kvcached keeps
+        # them (and the names they carry) only when vLLM publishes them.
+        events = vllm_config.kv_events_config
+        self.events_on = bool(events and events.enable_kv_cache_events)
+        if self.events_on:
+            self.mgr.keep_kv_events()
         self.block_bytes = cfg.layout.block_bytes * cfg.tp_size
         self.storage_source = observe.storage_source(cfg.storage_backend)
         self.stats = observe.KvcachedStats()  # this interval's, for vLLM's stats
@@ -320,6 +325,8 @@ class SchedulerHalf:
         """vLLM's KV events for the CPU tier and storage since the last call, by
         vLLM's block hashes (a block kvcached no longer knows by name goes
         unreported)."""
+        if not self.events_on:
+            return []
         named = []
         for stored, tier, key in self.mgr.take_kv_events():
             h = self.names.get(key)
@@ -331,6 +338,8 @@ class SchedulerHalf:
         """Remember vLLM's hashes of the blocks a save or a load brings into the
         CPU tier, by kvcached's keys (what the KV events carry); the oldest
         names go past a bound."""
+        if not self.events_on:
+            return
         new = list(t.request.block_hashes[t.named:blocks])
         for key, h in zip(self.mgr.engine_keys(new), new, strict=True):
             self.names[key] = h
