@@ -29,7 +29,8 @@ dominate as it does on real models):
    ``--no-reuse-only`` runs just these.
 4. Scheduler time. 64 requests running at once: the time vLLM's scheduler
    spends in kvcached per step, p50/p99 (target p99 <= 1 ms), as
-   ``kvcached status`` reports it.
+   ``kvcached status`` reports it: wall time, and that thread's CPU time (the
+   rest is waiting for a core or for the GIL). ``--busy-only`` runs just this.
 Every mode must give the same greedy outputs.
 
     python scripts/bench_vllm.py [--quick]
@@ -376,6 +377,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a tiny model, few prompts (smoke)")
     ap.add_argument("--no-reuse-only", action="store_true",
                     help="only the no-reuse rounds (plain, kvcached)")
+    ap.add_argument("--busy-only", action="store_true",
+                    help="only the scheduler-time phase (64 requests running at once)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -388,6 +391,14 @@ def main() -> None:
         model = make_model(str(work / "model"), p["layers"], p["hidden"])
         cpu_blocks = 4096 if not args.quick else 512
         store = work / "store"
+        if args.busy_only:
+            res = run_mode("busy", model, {**p, "kv_mb": p["busy_kv_mb"]},
+                           kvcached_connector(work / "run4", work / "store4", cpu_blocks),
+                           ["busy"], max_num_seqs=p["busy"])
+            print(json.dumps({"bench": "vllm_busy", "scheduler_step_us":
+                              res["busy"]["scheduler_step_us"],
+                              "running_requests": res["busy"]["requests"]}), flush=True)
+            return
         if args.no_reuse_only:
             print(json.dumps({"bench": "vllm_no_reuse", **no_reuse_modes(
                 model, p, work, cpu_blocks, twice=not args.quick)}), flush=True)

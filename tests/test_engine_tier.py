@@ -250,10 +250,12 @@ def test_scheduler_step_time_in_status(engine):
     _, mgr = engine()
     assert "scheduler_step_us" not in mgr.status()
     for us in [10] * 98 + [500, 900]:
-        mgr.record_engine_step(us / 1e6)
+        mgr.record_engine_step(us / 1e6, us / 2e6)
     step = mgr.status()["scheduler_step_us"]
-    assert step == {"steps": 100, "p50": 10.0, "p99": 900.0, "max": 900.0}
-    assert "p50 10.0 us, p99 900.0 us" in render_status(mgr.status())
+    assert step == {"steps": 100, "p50": 10.0, "p99": 900.0, "max": 900.0,
+                    "cpu_p50": 5.0, "cpu_p99": 450.0}
+    text = render_status(mgr.status())
+    assert "p50 10.0 us, p99 900.0 us" in text and "CPU p50 5.0 us, p99 450.0 us" in text
 
 
 def test_kv_events_of_the_cpu_tier_and_storage_name_the_engine_hashes(engine, tmp_path):

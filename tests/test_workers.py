@@ -343,8 +343,7 @@ def test_tasks_flow_when_the_engine_has_many_open_files(workers_manager):
         assert mgr.transfer._wake_r > 256  # the case under test
         t = mgr.transfer
         for kind, ids in (("noop", []), ("swap_out", [1]), ("swap_in", [1])):
-            with t._sock_lock:  # busy socket: the task goes through the IO thread
-                h = t.submit(Task(kind, ids, list(ids)))
+            h = t.submit(Task(kind, ids, list(ids)))
             wait_for(h.done, 10, f"the IO thread to send and finish a {kind} task")
             assert h.result.ok, h.result.error
     finally:
@@ -352,9 +351,10 @@ def test_tasks_flow_when_the_engine_has_many_open_files(workers_manager):
             os.close(fd)
 
 
-def test_a_waiting_thread_reads_its_own_answers(workers_manager):
-    """The hot path needs no other thread: with the IO thread stalled, the
-    submitting thread sends the task and the waiting thread reads the answers."""
+def test_submit_never_touches_the_socket(workers_manager):
+    """Only the IO thread uses the ROUTER: with it stalled, ``submit`` returns at
+    once (the engine's scheduler never sends nor waits) and nothing reaches the
+    workers; once it runs again, every task completes, once."""
     from kvcached.tasks import Task
     t = workers_manager(tp_size=2, num_cpu_blocks=4).transfer
     stalled, release = threading.Event(), threading.Event()
@@ -367,19 +367,25 @@ def test_a_waiting_thread_reads_its_own_answers(workers_manager):
     t._io_wait = stall
     try:
         assert stalled.wait(5), "the IO thread never went back to sleep"
+        handles = []
         for i in range(20):
             kind, ids = ("noop", []) if i % 2 else ("swap_out", [i % 4])
-            h = t.submit(Task(kind, ids, list(ids)))
-            assert h.wait(5), f"task {i} did not finish without the IO thread"
-            assert h.result.ok, h.result.error
+            handles.append(t.submit(Task(kind, ids, list(ids))))
+        assert not any(h.wait(0.2) for h in handles[:1]) and not any(h.done() for h in handles)
+        assert t.stats()["inflight"] == 0  # none was sent
     finally:
         del t._io_wait
         release.set()
+    for i, h in enumerate(handles):
+        assert h.wait(10), f"task {i} never finished"
+        assert h.result.ok, h.result.error
+    done = [h.task.task_id for h in t.completed]
+    assert sorted(done) == sorted(h.task.task_id for h in handles)  # once each
 
 
 def test_concurrent_waiters_each_get_their_answer_once(workers_manager):
-    """One waiter leads at a time; the others sleep on their handles and take
-    over when it leaves. Every task completes, each exactly once."""
+    """Threads submitting and waiting at once: every task completes, each
+    exactly once, and each waiter wakes for its own."""
     from kvcached.tasks import Task
     t = workers_manager(tp_size=2, num_cpu_blocks=8).transfer
     results, errors = {}, []
@@ -406,7 +412,7 @@ def test_concurrent_waiters_each_get_their_answer_once(workers_manager):
 
 
 def test_close_returns_a_thread_that_waits(workers_manager):
-    """close() while a waiter leads on a task that cannot finish (its worker is
+    """close() while a thread waits on a task that cannot finish (its worker is
     stopped): the waiter comes back with the task failed, nothing hangs."""
     from kvcached.tasks import Task
     t = workers_manager(tp_size=1, num_cpu_blocks=4).transfer
@@ -414,10 +420,14 @@ def test_close_returns_a_thread_that_waits(workers_manager):
     os.kill(pid, signal.SIGSTOP)
     try:
         h = t.submit(Task("noop", [], []))
-        out = {}
-        waiter = threading.Thread(target=lambda: out.setdefault("waited", h.wait(60)))
+        out, waiting = {}, threading.Event()
+
+        def wait() -> None:
+            waiting.set()
+            out["waited"] = h.wait(60)
+        waiter = threading.Thread(target=wait)
         waiter.start()
-        wait_for(t._lead_lock.locked, 5, "the waiter to lead")
+        assert waiting.wait(5) and not h.wait(0.2)  # it waits on a task that cannot finish
         t.close()
         waiter.join(10)
         assert not waiter.is_alive() and out["waited"]

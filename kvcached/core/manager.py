@@ -110,7 +110,8 @@ class CacheManager:
         self._drained = threading.Condition(self._lock)  # notified when the last request frees
         self._host_released = False
         # Seconds an engine's scheduler spent in kvcached per step (a connector)
-        self._step_times: collections.deque[float] = collections.deque(maxlen=4096)
+        # (wall, CPU) seconds an engine's scheduler spent in kvcached, per step
+        self._step_times: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> CacheManager:
@@ -566,18 +567,22 @@ class CacheManager:
                 "transfer": {k: v for k, v in transfer.items() if k != "workers"},
                 **self._step_time_summary()}
 
-    def record_engine_step(self, seconds: float) -> None:
-        """The time an engine's scheduler spent in kvcached during one step."""
-        self._step_times.append(seconds)
+    def record_engine_step(self, seconds: float, cpu_seconds: float | None = None) -> None:
+        """The time an engine's scheduler spent in kvcached during one step: wall
+        time, and the CPU time of that thread (the difference is time it waited:
+        for a core, or for the GIL while another thread of the process ran)."""
+        self._step_times.append((seconds, seconds if cpu_seconds is None else cpu_seconds))
 
     def _step_time_summary(self) -> dict:
-        times = sorted(self._step_times)
-        if not times:
+        if not self._step_times:
             return {}
-        def at(q: float) -> float:
+        wall, cpu = (sorted(x) for x in zip(*self._step_times, strict=True))
+
+        def at(times: list[float], q: float) -> float:
             return round(times[min(len(times) - 1, int(q * len(times)))] * 1e6, 1)
-        return {"scheduler_step_us": {"steps": len(times), "p50": at(0.5), "p99": at(0.99),
-                                      "max": at(1.0)}}
+        return {"scheduler_step_us": {"steps": len(wall), "p50": at(wall, 0.5),
+                                      "p99": at(wall, 0.99), "max": at(wall, 1.0),
+                                      "cpu_p50": at(cpu, 0.5), "cpu_p99": at(cpu, 0.99)}}
 
     @property
     def log_dir(self) -> Path:

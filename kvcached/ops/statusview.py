@@ -58,7 +58,8 @@ def render_status(st: dict) -> str:
     step = st.get("scheduler_step_us")
     if step:
         lines.append(f"engine scheduler time in kvcached per step: p50 {step['p50']} us, "
-                     f"p99 {step['p99']} us, max {step['max']} us ({step['steps']} steps)")
+                     f"p99 {step['p99']} us, max {step['max']} us ({step['steps']} steps); "
+                     f"CPU p50 {step['cpu_p50']} us, p99 {step['cpu_p99']} us")
     return "\n".join(lines)
 
 

@@ -1,15 +1,13 @@
 """WorkerTransfer: the engine-side coordinator of one worker process per TP rank.
 
-The ROUTER socket is used only by the thread holding ``_sock_lock`` (ZeroMQ
-sockets are not thread-safe; taking a lock is the full memory barrier ZeroMQ
-asks for when a socket changes threads). A submitting thread sends its task
-itself when the lock is free, else queues it for the IO thread (a wake-up
-pipe). A thread that waits on a task reads the answers itself, as the one
-"leader" (``_lead``), so the hot path has no hand-off between threads; other
-waiters sleep on their handles. The IO thread does the rest: heartbeats,
-liveness, deadlines, restarts, answers nobody waits for. A task goes to every
-rank; it completes only when every rank has answered or been declared lost
-(the barrier), and it is ok only if every rank is ok.
+One thread owns the ROUTER socket: the IO thread (ZeroMQ sockets are not
+thread-safe). ``submit`` queues the task and wakes it (a pipe), so the
+engine's thread never encodes, sends or waits on a socket: vLLM's scheduler
+pays a queue append and one write. The IO thread sends, reads the answers,
+completes the handles (a waiter sleeps on its handle's lock), and keeps
+heartbeats, liveness, deadlines and restarts. A task goes to every rank; it
+completes only when every rank has answered or been declared lost (the
+barrier), and it is ok only if every rank is ok.
 
 A worker is lost when its process exits (seen through ``Popen.poll``), when
 it is silent for ``worker_timeout_s``, or when it leaves a task unanswered
@@ -40,6 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -65,9 +64,6 @@ logger = logging.getLogger(__name__)
 # Liveness checks (Popen.poll per worker), task deadlines, restarts and
 # heartbeats run at most this often, not on every wake-up of the IO thread.
 CHORES_S = 0.005
-# A leader's longest sleep on the ROUTER's fd: bounds what a missed edge of that
-# (edge-triggered) fd can cost, and how soon a waiter notices a leader leaving.
-LEAD_NAP_S = 0.001
 CLOSE_LINGER_MS = 200
 # At close, how long the told-to-leave workers get to read our last words and
 # disconnect before the socket closes under them (see kvcached.transfer.peers).
@@ -145,8 +141,9 @@ class WorkerTransfer(Transfer):
         self._paused = False  # pause/sleep: tasks are held here, in order, until resume
         self._held: list[TaskHandle] = []
         self._hb_seq = 0
-        self._sock_lock = threading.Lock()  # held by whoever uses the ROUTER
-        self._lead_lock = threading.Lock()  # held by the one waiter reading answers
+        # Work other threads hand the IO thread (restarting ranks): it owns the
+        # worker states as it owns the socket.
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -239,66 +236,13 @@ class WorkerTransfer(Transfer):
         if self._stop.is_set():  # closed meanwhile: close() may have drained already
             for h in self._drain_outbox():
                 h.complete(TaskResult(h.task.task_id, False, "transfer closed"))
-        elif self._sock_lock.acquire(False):  # nobody is using the socket: send it now
-            try:
-                # Answers are a leader's to read, if there is one (see _io_loop).
-                self._pump(read=not self._lead_lock.locked())
-            finally:
-                self._sock_lock.release()
         else:
             self._wake()
         return handle
 
     def new_handle(self, task: Task) -> TaskHandle:
         task.task_id = next(self._ids)
-        return TaskHandle(task, self.completed, self._wait)
-
-    def _wait(self, handle: TaskHandle, timeout: float | None) -> bool:
-        """``TaskHandle.wait``: the first waiter leads (reads the ROUTER itself until
-        its task is done); the others sleep on their handles and take over when
-        the leader leaves."""
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
-        while handle.result is None:
-            left = _time_left(deadline)
-            if left <= 0:
-                return False
-            if self._stop.is_set():  # closing: close() completes every handle
-                return handle.wait_completed(None if deadline is None else left)
-            if self._lead_lock.acquire(False):
-                try:
-                    return self._lead(handle, deadline)
-                finally:
-                    self._lead_lock.release()
-            handle.wait_completed(min(left, LEAD_NAP_S))
-        return True
-
-    def _lead(self, handle: TaskHandle, deadline: float | None) -> bool:
-        """Read answers on this thread until ``handle`` completes: no thread hand-off
-        between the worker's answer and the waiter. Sleeps on the ROUTER's fd,
-        never holding the socket while asleep."""
-        while handle.result is None and not self._stop.is_set():
-            left = _time_left(deadline)
-            if left <= 0:
-                return False
-            # The IO thread holds the socket only briefly (it leaves answers to us):
-            # block on the lock rather than on the handle, to read right after it.
-            if not self._sock_lock.acquire(True, min(left, LEAD_NAP_S)):
-                continue
-            try:
-                self._pump()
-            finally:
-                self._sock_lock.release()
-            if handle.result is not None:
-                break
-            left = _time_left(deadline)
-            try:
-                select.select([self._router_fd], [], [], max(0.0, min(left, LEAD_NAP_S)))
-            except (OSError, ValueError):  # the socket closed under us: see _stop
-                pass
-        if handle.result is None:  # closing
-            return handle.wait_completed(None if deadline is None
-                                         else max(deadline - time.monotonic(), 0.0))
-        return True
+        return TaskHandle(task, self.completed)
 
     def _wake(self) -> None:
         try:
@@ -319,61 +263,50 @@ class WorkerTransfer(Transfer):
         idle_s = max(0.001, interval / 2)
         try:
             while not self._stop.is_set():
-                if self._lead_lock.locked():
-                    # A waiter reads the answers: stay off the socket's fd (one
-                    # wake-up per answer, not two) but look again soon.
-                    fds, timeout = [self._wake_r], CHORES_S
-                else:
-                    fds, timeout = [self._wake_r, self._router_fd], idle_s
-                ready = self._io_wait(fds, timeout)
+                ready = self._io_wait([self._wake_r, self._router_fd], idle_s)
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
-                with self._sock_lock:
-                    # Answers are the leader's to read while there is one: taking
-                    # them here would leave it asleep on an fd that already fired.
-                    self._pump(read=not self._lead_lock.locked())
-                    now = time.monotonic()
-                    if now < next_chores:
-                        continue  # liveness and deadlines: every few ms, not per frame
-                    next_chores = now + CHORES_S
-                    if now - last_hb > interval:
-                        self._send_heartbeats()
-                        last_hb = now
-                    self._check_liveness(now)
-                    self._peers.update()
+                while self._calls:
+                    self._calls.popleft()()
+                self._pump()
+                now = time.monotonic()
+                if now < next_chores:
+                    continue  # liveness and deadlines: every few ms, not per frame
+                next_chores = now + CHORES_S
+                if now - last_hb > interval:
+                    self._send_heartbeats()
+                    last_hb = now
+                self._check_liveness(now)
+                self._peers.update()
         except Exception:
             logger.exception("coordinator IO thread died; failing all tasks")
             self._healthy = False
         finally:
-            with self._sock_lock:
-                for w in self.workers:
-                    if w.ready:
-                        self._send(w.rank, P.Shutdown("engine closing").encode())
-                # The last words (Shutdown, a refusal) reach a worker only if it
-                # reads them before the connection goes: wait for the workers to
-                # leave, never long enough to hang a closing engine.
-                self._peers.wait_all_gone(CLOSE_GRACE_S)
-                self._peers.close()
-                self._router.close(linger=CLOSE_LINGER_MS)
+            for w in self.workers:
+                if w.ready:
+                    self._send(w.rank, P.Shutdown("engine closing").encode())
+            # The last words (Shutdown, a refusal) reach a worker only if it
+            # reads them before the connection goes: wait for the workers to
+            # leave, never long enough to hang a closing engine.
+            self._peers.wait_all_gone(CLOSE_GRACE_S)
+            self._peers.close()
+            self._router.close(linger=CLOSE_LINGER_MS)
 
     @staticmethod
     def _io_wait(fds: list[int], timeout: float) -> list[int]:
         """The IO thread's sleep (a method: tests stall it)."""
         return select.select(fds, [], [], timeout)[0]
 
-    def _pump(self, read: bool = True) -> None:
-        """With the socket: send what waits (held tasks first once resumed, then the
-        outbox, in order), then handle every message that arrived. Reading last
-        leaves the fd's edge armed for whoever sleeps on it next."""
-        if self._router.closed:
-            return
+    def _pump(self) -> None:
+        """Send what waits (held tasks first once resumed, then the outbox, in
+        order), then handle every message that arrived. Reading last leaves the
+        socket's (edge-triggered) fd armed for the next sleep."""
         if self._held and not self._paused:
             held, self._held = self._held, []
             for h in held:
                 self._send_task(h)
         self._take_outbox()
-        if read:
-            self._recv_all()
+        self._recv_all()
 
     def _take_outbox(self) -> None:
         while self._outbox:
@@ -644,21 +577,25 @@ class WorkerTransfer(Transfer):
                                "false): restart that service instead")
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the coordinator has stopped; restart the engine")
-        with self._sock_lock:  # the IO thread reads worker states under it
-            failed = [w for w in self.workers if w.state == "failed"]
-            for w in failed:
-                w.crashes, w.restart_at = 0, None
-                w.restarts += 1
-                self._spawn(w)
+        restarted: list[int] = []
+
+        def restart() -> None:  # on the IO thread, which owns the worker states
+            for w in self.workers:
+                if w.state == "failed":
+                    w.crashes, w.restart_at = 0, None
+                    w.restarts += 1
+                    self._spawn(w)
+                    restarted.append(w.rank)
+        self._calls.append(restart)
+        self._wake()
         if not self.wait_ready(timeout_s):
             down = [w.rank for w in self.workers if not w.ready]
             raise TimeoutError(f"ranks {down} did not come back within {timeout_s:.0f}s; "
                                f"see the logs in {self.log_dir}")
         self._healthy = True
-        if failed:
-            logger.warning("coordinator: ranks %s restarted on request",
-                           [w.rank for w in failed])
-        return {"changed": bool(failed), "restarted": [w.rank for w in failed]}
+        if restarted:
+            logger.warning("coordinator: ranks %s restarted on request", restarted)
+        return {"changed": bool(restarted), "restarted": restarted}
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every rank is ready again (e.g. after a restart)."""
@@ -679,11 +616,6 @@ def _runtime_config(cfg: CacheConfig, op: str, args: dict[str, Any]) -> CacheCon
     if op == "attach_storage":
         return cfg.replace(storage_backend=args.get("backend"), storage_url=args.get("url", ""))
     return cfg.replace(storage_backend=None)
-
-
-def _time_left(deadline: float | None) -> float:
-    """Seconds until ``deadline``; one nap's worth when there is none (wait forever)."""
-    return LEAD_NAP_S if deadline is None else deadline - time.monotonic()
 
 
 def _kill_pid(pid: int) -> None:

@@ -46,11 +46,12 @@ def _timed(method):
     kvcached adds to vLLM's scheduler)."""
     @functools.wraps(method)
     def timed(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return method(self, *args, **kwargs)
         finally:
             self.scheduler.hook_s += time.perf_counter() - t0
+            self.scheduler.hook_cpu_s += time.thread_time() - c0
     return timed
 
 
@@ -102,11 +103,12 @@ class KvcachedConnector(KVConnectorBase_V1):
         return self.scheduler.hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KvcachedMetadata:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         meta = KvcachedMetadata(*self.scheduler.build_meta(scheduler_output))
         # vLLM calls this once every step (update_connector_output not after a
         # step with no forward): a step's time is from here to here
-        self.scheduler.end_step(self.scheduler.hook_s + time.perf_counter() - t0)
+        self.scheduler.end_step(self.scheduler.hook_s + time.perf_counter() - t0,
+                                self.scheduler.hook_cpu_s + time.thread_time() - c0)
         return meta
 
     @_timed

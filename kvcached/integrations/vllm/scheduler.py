@@ -211,6 +211,7 @@ class SchedulerHalf:
         self.block_pool = None
         self.pins: collections.Counter[int] = collections.Counter()  # block id -> our refs
         self.hook_s = 0.0  # time vLLM's scheduler spent in kvcached this step
+        self.hook_cpu_s = 0.0  # and that thread's CPU time in it
         logger.info("kvcached: run dir %s (kvcached status --run-dir %s); CPU tier %d blocks, "
                     "storage %s", self.run_dir, self.run_dir, cfg.num_cpu_blocks,
                     cfg.storage_backend or "off")
@@ -392,9 +393,9 @@ class SchedulerHalf:
             output.finished_sending = (output.finished_sending or set()) | self.sent
             self.sent = set()
 
-    def end_step(self, seconds: float) -> None:
-        self.mgr.record_engine_step(seconds)
-        self.hook_s = 0.0
+    def end_step(self, seconds: float, cpu_seconds: float) -> None:
+        self.mgr.record_engine_step(seconds, cpu_seconds)
+        self.hook_s = self.hook_cpu_s = 0.0
 
     def _preempted(self, rid: str) -> None:
         """vLLM freed the request's blocks and will compute it again: its planned
