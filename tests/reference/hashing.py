@@ -2,7 +2,7 @@
 
 ``h_i = blake2b(h_{i-1} || extra_key || tokens_i as little-endian int64)``,
 ``h_{-1}`` the namespace hash. The native core must produce the same bytes
-(tests/test_hashing.py compares them on many inputs).
+(tests/core/test_hashing.py compares them on many inputs).
 """
 
 from __future__ import annotations

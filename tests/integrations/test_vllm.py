@@ -121,7 +121,7 @@ def test_load_failure_policy_fail_stops_vllm_with_the_fix(model, tmp_path):
     """kvcached never overwrites vLLM's setting: "fail" would fail a request on
     every miss that a load turns out to be, so vLLM stops and says what to set.
     (A bad kv_connector_extra_config stops it the same way, from the same
-    constructor: tests/test_vllm_config.py checks those messages.)"""
+    constructor: tests/integrations/test_vllm_config.py checks those messages.)"""
     res = run_app({"model": model, "extra": {"num_cpu_blocks": 64,
                                              "run_dir": str(tmp_path / "run")},
                    "load_failure_policy": "fail", "prompts": PROMPTS,
@@ -288,7 +288,7 @@ def test_bench_vllm_quick():
     """The benchmark's smoke run (a tiny model): every mode serves the same
     greedy outputs, hits are served whole, chat computes no more than the
     workload allows."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_vllm.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_vllm.py"
     res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
                          text=True, timeout=1500)
     assert res.returncode == 0, res.stderr[-5000:]

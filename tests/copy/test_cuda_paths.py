@@ -32,7 +32,7 @@ from kvcached.memory.kvevent import EventClock, EventStamper, KVEvent, OrderingE
 from kvcached.tasks import Task
 from kvcached.transfer.executor import RankExecutor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeEvent:

@@ -178,7 +178,7 @@ ENGINE = textwrap.dedent("""
 
 
 def start_engine(run_dir: str) -> tuple[subprocess.Popen, Path]:
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).resolve().parents[1])
     eng = subprocess.Popen([sys.executable, "-c", ENGINE.format(tests=tests, run_dir=run_dir)],
                            stdout=subprocess.PIPE, text=True)
     line = eng.stdout.readline().strip()

@@ -187,7 +187,7 @@ def run_in_netns(specs: list[dict], tmp_path) -> list[dict]:
     inner = 'ip link set lo up && exec "$0" "$1" "$2" "$3"'
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"}
     res = subprocess.run(["unshare", "-n", "sh", "-c", inner, sys.executable,
-                          str(Path(__file__).with_name("netns_fleet.py")), str(src), str(out)],
+                          str(Path(__file__).resolve().parents[1] / "netns_fleet.py"), str(src), str(out)],
                          capture_output=True, text=True, timeout=DEADLINE_S, env=env)
     assert res.returncode == 0 and out.is_file(), \
         f"fleet on Mooncake failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n" \

@@ -36,7 +36,7 @@ from kvcached.tools.workload import (
     replay,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_policy as bench  # noqa: E402
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared helpers
 from conftest_storage import make_hashes, make_pool, make_store, wait_until  # noqa: E402
 
 from kvcached.layout import KVLayout  # noqa: E402

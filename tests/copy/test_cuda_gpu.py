@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 from kvcached.copy import cuda as kvc  # noqa: E402
 from kvcached.memory import cuda_ipc  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ------------------------------------------------------------------ helpers

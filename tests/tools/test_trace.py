@@ -19,7 +19,7 @@ from kvcached.tools.trace import (
     trace_tokens,
 )
 
-SHIPPED = Path(__file__).parent / "data" / "synthetic_trace.jsonl"
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "synthetic_trace.jsonl"
 GOOD = {"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}
 
 
@@ -98,7 +98,7 @@ def test_main_reports_bad_trace_without_a_traceback(tmp_path, capsys):
 
 def _plot_module():
     import importlib.util
-    path = Path(__file__).parents[1] / "scripts" / "plot_benchmarks.py"
+    path = Path(__file__).parents[2] / "scripts" / "plot_benchmarks.py"
     spec = importlib.util.spec_from_file_location("plot_benchmarks", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

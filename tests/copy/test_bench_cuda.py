@@ -18,7 +18,7 @@ from test_cuda_build import EmulatedLib
 
 from kvcached.copy import cuda as kvc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from _bench_util import load_script  # noqa: E402
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared helpers
 from conftest_storage import (  # noqa: E402
     LAYOUT,
     NO_REDIS_REASON,

@@ -207,7 +207,7 @@ ENGINE = textwrap.dedent("""
 
 def test_sigkill_engine_workers_exit_and_next_start_cleans_up(workers_manager, tmp_path):
     from kvcached.memory import shm
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).resolve().parents[1])
     eng = subprocess.Popen([sys.executable, "-c", ENGINE.format(tests=tests)],
                            stdout=subprocess.PIPE, text=True)
     try:

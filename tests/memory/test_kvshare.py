@@ -27,7 +27,7 @@ from kvcached.layout import KVLayout
 from kvcached.memory import kvshare, shm
 from kvcached.memory.hostpool import HostPool
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # 8 planes x 16 KiB per block x 512 blocks = 64 MiB
 BIG_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16,
                       dtype="float32")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared helpers
 from conftest_storage import (  # noqa: E402
     MooncakeServers,
     check_damaged,
@@ -52,7 +52,7 @@ def test_mooncake_suite_in_private_netns():
     # Own process group, so a timeout kills the servers it started as well.
     proc = subprocess.Popen(["unshare", "-n", "sh", "-c", inner, sys.executable, __file__],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).parent.parent, start_new_session=True)
+                            cwd=Path(__file__).resolve().parents[2], start_new_session=True)
     try:
         out, err = proc.communicate(timeout=280)
     except subprocess.TimeoutExpired:

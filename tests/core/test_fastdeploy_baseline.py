@@ -18,7 +18,7 @@ import pytest
 
 from kvcached.tools.workload import generate_chat_workload, replay
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import _fastdeploy_baseline as fastdeploy  # noqa: E402
 
 needs_reference = pytest.mark.skipif(not fastdeploy.REFERENCE.is_file(),
@@ -92,7 +92,7 @@ def test_the_benchmark_runs_end_to_end_and_ends_with_its_json_line():
     last line carries what the docs read (including the machine's load)."""
     import json
     import subprocess
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_manager.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_manager.py"
     out = subprocess.run([sys.executable, str(script), "--quick", "--no-fastdeploy",
                           "--requests", "30", "--sizes", "1000,2000"],
                          capture_output=True, text=True, timeout=300, check=True)

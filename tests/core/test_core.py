@@ -213,7 +213,7 @@ def test_bench_memory_reports_bytes_per_cached_block():
     import json
     import subprocess
     from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_memory.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_memory.py"
     res = subprocess.run([sys.executable, str(script), "--blocks", "40000"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr

@@ -1,6 +1,6 @@
 """What vLLM's observability gets from kvcached (``integrations/vllm/observe.py``):
 hit sources, the stats payload and its Prometheus series, KV events. Against
-vLLM's real classes; tests/test_vllm.py reads the same through a running vLLM."""
+vLLM's real classes; tests/integrations/test_vllm.py reads the same through a running vLLM."""
 
 from __future__ import annotations
 
