@@ -41,7 +41,7 @@ from kvcached.tools.workload import ChatRequest, replay
 # bins (the ring wraps quickly), slow and no decay, coarse windows.
 PARAMS = {
     "default": AdaptiveParams(),
-    # min_window=1: windows of capacity // 8 ticks even in these small tiers,
+    # min_window=1: windows of capacity // 32 ticks even in these small tiers,
     # so the sequences below go through many window rebuilds
     "small_window": AdaptiveParams(min_window=1),
     "ghost16": AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4, min_window=1),

@@ -37,8 +37,8 @@ static inline int cls_of(const pnode_t *n) { return (int)((n->meta >> CLS_SHIFT)
 
 void pol_default_params(pol_params_t *p) {
     p->classes = 4;
-    p->bins = 64;
-    p->windows_per_capacity = 8;
+    p->bins = 256;
+    p->windows_per_capacity = 32;
     p->min_window = 64;
     p->ghost_factor = 8;
     p->ways = 8;
