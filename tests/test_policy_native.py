@@ -34,7 +34,7 @@ from test_policy_reference import returning_conversation, tiny_chat, tiny_mix, t
 from kvcached import CacheConfig, CacheManager
 from kvcached.core import _core
 from kvcached.core.hashing import namespace_hash
-from kvcached.tools.workload import ChatRequest, replay
+from kvcached.tools.workload import ChatRequest, iter_think_time_workload, replay
 
 # The defaults, and variants that exercise every branch of the port: small and
 # narrow ghosts (8- and 16-bit entries, few ways, none at all), one class, few
@@ -312,6 +312,31 @@ def test_a_returning_conversation_survives_one_off_prompts(tmp_path, policy):
     ref = AdaptivePolicy(24) if policy == "adaptive" else LRUPolicy()
     sim = simulate(returning_conversation(rounds), 24, ref, per_request=True).per_request
     assert [sim[i] for i in range(0, 5 * rounds, 5)][-10:] == hits[-10:]
+
+
+@pytest.mark.parametrize("capacity, lru, at_least, coarse", [
+    (19574, 0.425, 1.505, 1.491),  # LRU gets half of the unbounded hit rate here
+    (27447, 0.639, 1.195, 1.182),  # three quarters
+])
+def test_think_time_turns_need_age_bins_finer_than_a_turns_gap(capacity, lru, at_least,
+                                                               coarse):
+    """Turns come back 200-1000 requests later: at these sizes that is within a
+    few windows of capacity // 8 insertions, so 64 such bins lumped reuses of
+    different ages together and kept the wrong conversations (``coarse``: that
+    policy's ratio to LRU). 256 bins of capacity // 32 (the same horizon) tell
+    them apart. A seeded run of the benchmark's think workload, 5000 requests."""
+    reqs = iter_think_time_workload(5000, seed=0, think_time=(200, 1000), turns=(2, 16),
+                                    system_tokens=128)
+    blocks = to_block_requests(reqs, 32)
+    base = simulate(blocks, capacity, LRUPolicy()).hit_rate
+    assert base == pytest.approx(lru, abs=5e-4)
+
+    def ratio(params: AdaptiveParams) -> float:
+        return simulate(blocks, capacity, native(capacity, params)).hit_rate / base
+
+    assert ratio(AdaptiveParams()) >= at_least
+    assert ratio(AdaptiveParams(bins=64, windows_per_capacity=8)) == pytest.approx(
+        coarse, abs=5e-4)
 
 
 def test_a_ghost_hit_promotes_its_class_in_the_manager(tmp_path):
