@@ -28,6 +28,15 @@ block keys in the simulator (``to_block_requests(namespace=...)``), so its
 hits must equal the simulator's with either policy (``manager_*_match_ok``).
 The optimum is offline and always comes from the simulator.
 
+The study: each row also runs the simulator of the eviction study the
+adaptive policy was modelled on (``../shared/policy_sim``, its
+``lhd:learn=ghost,gbound=8``, and its LRU) on the same block chains and
+capacity (``--study-dir``; left out when not found or with ``--no-study``).
+Its model is the tree's up to details (it reserves no blocks for a running
+request), so its LRU is within a percent of the simulator's, and the figure
+to compare is ``study_ratio`` (its policy over its LRU) against ``ratio``;
+``vs_study`` is the quotient, and ``vs_study_min`` the lowest.
+
 ``--ghost-variants`` also runs the adaptive policy with other ghosts at the
 same sizes (``BITS/WIN/FACTOR/WAYS``: entry width, bits of window in it,
 entries per cached block, associativity) and reports each one's ratio to

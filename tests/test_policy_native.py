@@ -162,7 +162,7 @@ def test_workload_runs_replay_into_the_port(name, make):
 def test_a_long_run_where_the_ghost_wraps_replays_into_the_port():
     """Thousands of windows: ghost windows wrap (mod 2**win_bits), old lists fill,
     the tables decay over many rebuilds."""
-    params = AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4)
+    params = AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4, min_window=64)
     blocks = to_block_requests(tiny_mix(6000, 11), 4)
     rec = Recorder(AdaptivePolicy(24, params))
     simulate(blocks, 24, rec)

@@ -164,7 +164,7 @@ def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
 
 
 def test_cold_tables_evict_in_lru_order_and_a_branch_tail_first():
-    pol = AdaptivePolicy(64)  # window = 64 ticks (min_window): all of this in one window
+    pol = AdaptivePolicy(64)  # window = 128 ticks (min_window): all of this in one window
     a, b, c, x = 1, 2, 3, 4  # a chain a <- b <- c, and x, used after it
     for key in (a, b, c, x):
         pol.on_insert(key, 1, 0)

@@ -39,7 +39,7 @@ void pol_default_params(pol_params_t *p) {
     p->classes = 4;
     p->bins = 256;
     p->windows_per_capacity = 32;
-    p->min_window = 64;
+    p->min_window = 128;
     p->ghost_factor = 8;
     p->ways = 8;
     p->decay_shift = 7;
