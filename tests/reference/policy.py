@@ -107,15 +107,18 @@ Tables, per class c and age bin b: ``hits[c][b]`` and ``ends[c][b]``
   whose age ``(cur_win - w) & 0xFFF`` exceeds ``expire_after[c]`` is
   cleared and counted as an end, in way order; ``expire_after[c] = 2 *
   cap`` (the class's end cap, below) as of the last rebuild, and never for
-  a class with no hits then (nor before the first rebuild). A ghost of 8x
-  the capacity takes 8x the capacity in evictions to start overwriting:
-  until then no end was counted, never-reused blocks looked as good as any,
-  and one-off prompts kept conversations out (on the scan workload 6% of
-  the hits at the 20% point, 7% at 50%). (Ends are not counted at eviction, as LHD does: a
+  a class with no hits then (nor before the first rebuild). Why: a ghost of
+  8x the capacity starts overwriting only after 8x the capacity in
+  evictions; with ends counted only then, never-reused blocks looked as
+  good as any until then, and one-off prompts pushed conversations out (4-7%
+  of the hits on the scan workload at its 20% and 50% points). Expiring at
+  the cap itself, rather than twice it, cost the think workload 1% at its
+  50% point. (Ends are not counted at eviction, as LHD does: a
   returning block's reuse age, seen through the ghost, lies past its
   eviction, so the tables would mix "as kept" hits with "as evicted" ends,
   and old survivors would look dense; that lost 7% to LRU on the synthetic
-  workload.)
+  workload, and counting each eviction as an end until the block returns
+  lost 9% on think.)
 
 Rebuild, each time ``cur_win`` advances (every WINDOW ticks, O(CLASSES x
 BINS)): first every counter ``x -= x >> DECAY_SHIFT``; then per class, the

@@ -18,7 +18,9 @@
  *   O(classes x bins), in 128-bit arithmetic.
  * - The ghost remembers evicted keys (set-associative, a fingerprint, the
  *   class and the window of last use per entry), so a block that comes back
- *   after eviction teaches the tables its reuse age and is promoted.
+ *   after eviction teaches the tables its reuse age and is promoted. An
+ *   entry ends (counts as "never reused") when the ghost overwrites it, or
+ *   once it is twice as old as its class's reuses run.
  *
  * Per entry: pnode_t (16 bytes): list links, and stamp, class, listed and
  * tracked packed in one word. Everything is integer arithmetic; every tie has
