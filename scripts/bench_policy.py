@@ -28,6 +28,15 @@ block keys in the simulator (``to_block_requests(namespace=...)``), so its
 hits must equal the simulator's with either policy (``manager_*_match_ok``).
 The optimum is offline and always comes from the simulator.
 
+The study: each row also runs the simulator of the eviction study the
+adaptive policy was modelled on (``../shared/policy_sim``, its
+``lhd:learn=ghost,gbound=8``, and its LRU) on the same block chains and
+capacity (``--study-dir``; left out when not found or with ``--no-study``).
+Its model is the tree's up to details (it reserves no blocks for a running
+request), so its LRU is within a percent of the simulator's, and the figure
+to compare is ``study_ratio`` (its policy over its LRU) against ``ratio``;
+``vs_study`` is the quotient, and ``vs_study_min`` the lowest.
+
 ``--ghost-variants`` also runs the adaptive policy with other ghosts at the
 same sizes (``BITS/WIN/FACTOR/WAYS``: entry width, bits of window in it,
 entries per cached block, associativity) and reports each one's ratio to
@@ -51,9 +60,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 from _bench_util import ROOT, emit, log
 
@@ -102,6 +114,7 @@ def chat_requests(name: str, args: argparse.Namespace, seed: int) -> Iterator[Ch
 
 # ---------------------------------------------------------------- backends
 IMPL = {"adaptive": "native"}  # --impl: who runs the adaptive policy in the simulator
+STUDY: dict[str, ModuleType | None] = {"sim": None}  # policy_sim's simulator, when found
 
 
 def adaptive(capacity: int, params: AdaptiveParams | None = None):
@@ -131,6 +144,60 @@ def sim(blocks: list[BlockRequest], capacity: int, policy: str,
     res = simulate(blocks, capacity, pol, per_request=True)
     assert res.rejected == 0, f"{res.rejected} requests did not fit in {capacity} blocks"
     return res
+
+
+# ------------------------------------------------------------------ the study
+STUDY_SPEC = "lhd:learn=ghost,gbound=8"  # the policy the adaptive one was modelled on
+STUDY_DIR = ROOT.parent / "shared" / "policy_sim"
+
+
+def load_study(path: Path) -> ModuleType | None:
+    """policy_sim's ``sim`` module (it imports its ``prep`` by name), or None when
+    ``path`` holds no simulator."""
+    if not (path / "sim.py").is_file():
+        return None
+    sys.path.insert(0, str(path))
+    try:
+        return importlib.import_module("sim")
+    finally:
+        sys.path.remove(str(path))
+
+
+def study_data(blocks: list[BlockRequest]) -> tuple:
+    """The block chains in the form policy_sim's ``prep.build`` gives a trace:
+    per request its blocks as ints (prompt and output, which a next turn
+    reuses), the blocks it needs, and each block's parent and depth."""
+    ids: dict[int, int] = {}
+    reqs, need, par, dep = [], [], [], []
+    for b in blocks:
+        chain: list[int] = []
+        for depth, key in enumerate(b.keys):
+            i = ids.get(key)
+            if i is None:
+                i = ids[key] = len(par)
+                par.append(chain[-1] if chain else -1)
+                dep.append(depth)
+            chain.append(i)
+        reqs.append(chain)
+        need.append(b.blocks_needed)
+    return reqs, need, par, dep, [0] * len(blocks)
+
+
+def study_rates(study: ModuleType, blocks: list[BlockRequest], capacity: int) -> dict:
+    """The study's policy and its LRU at ``capacity`` on the same chains: hit rates
+    with the simulator's denominator (prompt blocks), and their ratio. Its model
+    differs from the tree's in small ways (a request reserves no blocks while it
+    runs; it may match every full block, the last one included), so the ratio
+    to its own LRU is the figure to compare."""
+    data = study_data(blocks)
+    prompt = sum(b.prompt_blocks for b in blocks)
+    rates = {}
+    for name, spec in (("study", STUDY_SPEC), ("study_lru", "lru")):
+        res = study.simulate("bench", 0, capacity, spec, data)
+        assert res["skipped"] == 0, f"the study skipped {res['skipped']} requests"
+        rates[name] = res["hits"] / prompt
+    rates["study_ratio"] = rates["study"] / rates["study_lru"] if rates["study_lru"] else 1.0
+    return rates
 
 
 def scan_losses(requests: list[ChatRequest], blocks: list[BlockRequest],
@@ -243,6 +310,9 @@ def bench_workload(name: str, seed: int, args: argparse.Namespace) -> list[dict]
             runs[policy] = sim(blocks, capacity, policy)
         rates = {policy: res.hit_rate for policy, res in runs.items()}
         row = _row(name, seed, target, capacity, unbounded, rates)
+        if STUDY["sim"] is not None:
+            row.update(study_rates(STUDY["sim"], blocks, capacity))
+            row["vs_study"] = row["ratio"] / row["study_ratio"]
         if name == "scan":
             row.update(scan_losses(requests, blocks, runs, capacity, args, seed))
         if args.manager:
@@ -255,8 +325,10 @@ def bench_workload(name: str, seed: int, args: argparse.Namespace) -> list[dict]
         if variants:
             row["ghost_variants"] = variants
         rows.append(row)
+        study = (f" study {row['study']:.3f} ({row['study_ratio']:.2f}x its lru)"
+                 if "study" in row else "")
         log(f"  {target:.0%} point: {capacity} blocks: lru {rates['lru']:.3f} adaptive "
-            f"{rates['adaptive']:.3f} ({rows[-1]['ratio']:.2f}x) optimum {rates['optimum']:.3f}"
+            f"{rates['adaptive']:.3f} ({row['ratio']:.2f}x){study} optimum {rates['optimum']:.3f}"
             + "".join(f"; {spec} {v['ratio']:.2f}x" for spec, v in variants.items()))
     log(f"  ({len(known) - 1} LRU runs to find the sizes)")
     return rows
@@ -328,6 +400,10 @@ def verdict(rows: list[dict]) -> dict:
     out["min_ratio"] = worst["ratio"]
     out["min_ratio_at"] = f"{worst['workload']} seed {worst['seed']} {worst['target']:.0%}"
     out["floor_ok"] = worst["ratio"] >= FLOOR_RATIO
+    if "vs_study" in rows[0]:  # descriptive: the study's model is not the tree's
+        low = min(rows, key=lambda r: r["vs_study"])
+        out["vs_study_min"] = low["vs_study"]
+        out["vs_study_min_at"] = f"{low['workload']} seed {low['seed']} {low['target']:.0%}"
     scan = [r for r in rows if "scan_loss_lru" in r]
     if scan:  # descriptive: the issue quotes it, sets no target
         out["scan_loss_max"] = {p: max(r[f"scan_loss_{p}"] for r in scan)
@@ -360,13 +436,15 @@ def verdict(rows: list[dict]) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     log("workload   seed target capacity    lru  adapt  optim  ratio  opt/lru  of_opt"
-        "  scan loss lru/adapt")
+        "  study s.lru s.ratio  scan loss lru/adapt")
     for r in rows:
+        study = (f" {r['study']:6.3f} {r['study_lru']:5.3f} {r['study_ratio']:7.2f}"
+                 if "study" in r else f" {'-':>6} {'-':>5} {'-':>7}")
         loss = (f"  {r['scan_loss_lru']:8.0%} / {r['scan_loss_adaptive']:.0%}"
                 if "scan_loss_lru" in r else "")
         log(f"{r['workload']:<10} {r['seed']:>4} {r['target']:>6.0%} {r['capacity']:>8} "
             f"{r['lru']:6.3f} {r['adaptive']:6.3f} {r['optimum']:6.3f} {r['ratio']:6.2f} "
-            f"{r['optimum_ratio']:8.2f} {r['of_optimum']:7.2f}{loss}")
+            f"{r['optimum_ratio']:8.2f} {r['of_optimum']:7.2f}{study}{loss}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -389,6 +467,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the adaptive policy in the simulator: the core's or the Python one")
     ap.add_argument("--ghost-variants", nargs="*", default=[], metavar="BITS/WIN/FACTOR/WAYS",
                     help="also run the adaptive policy with these ghosts (e.g. 16/6/4/8)")
+    ap.add_argument("--study-dir", type=Path, default=STUDY_DIR,
+                    help="policy_sim's directory: each row also gets its figure "
+                         f"({STUDY_SPEC}, and its LRU) on the same chains and capacity")
+    ap.add_argument("--no-study", action="store_true", help="leave the study out")
     args = ap.parse_args(argv)
     for spec in args.ghost_variants:
         ghost_params(spec)  # a bad spec fails now, not after an hour
@@ -400,6 +482,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     IMPL["adaptive"] = args.impl
+    STUDY["sim"] = None if args.no_study else load_study(args.study_dir)
+    if STUDY["sim"] is None and not args.no_study:
+        log(f"no policy_sim in {args.study_dir}: rows without the study's figure")
     rows = [row for name in args.workloads for seed in args.seeds
             for row in bench_workload(name, seed, args)]
     print_table(rows)

@@ -15,8 +15,9 @@ whole output can be saved and passed as is. Charts, one per kind found:
   (``kvcached bench trace``, one line per capacity);
 - ``vllm.png``: TTFT of a hit by where it comes from, and multi-turn chat
   TTFT and prefill computed per mode (``scripts/bench_vllm.py``);
-- ``policy.png``: hit rate of LRU, the adaptive policy and the offline
-  optimum at each cache size, per workload (``scripts/bench_policy.py``);
+- ``policy.png``: hit rate of LRU, the adaptive policy, the study it was
+  modelled on (when the rows have it) and the offline optimum at each cache
+  size, per workload (``scripts/bench_policy.py``);
 - ``write_policy.png``: bytes written to storage per request and the fleet's
   hit rate, per storage write policy, fleet size and routing
   (``scripts/bench_write_policy.py``).
@@ -182,8 +183,8 @@ def plot_vllm(plt, results: list[dict], out: Path) -> Path:
 
 
 def policy_series(res: dict) -> dict[str, dict[str, list[float]]]:
-    """workload -> {"target": [...], "lru"/"adaptive"/"optimum": mean hit rate over
-    the seeds at each target point}."""
+    """workload -> {"target": [...], "lru"/"adaptive"/"optimum" (and "study" when the
+    rows have it): mean hit rate over the seeds at each target point}."""
     acc: dict[str, dict[float, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for row in res["rows"]:
         acc[row["workload"]][row["target"]].append(row)
@@ -192,7 +193,7 @@ def policy_series(res: dict) -> dict[str, dict[str, list[float]]]:
         targets = sorted(by_target)
         out[name] = {"target": targets, **{
             p: [sum(r[p] for r in by_target[t]) / len(by_target[t]) for t in targets]
-            for p in ("lru", "adaptive", "optimum")}}
+            for p in ("lru", "adaptive", "study", "optimum") if p in res["rows"][0]}}
     return out
 
 
@@ -202,10 +203,12 @@ def plot_policy(plt, results: list[dict], out: Path) -> Path:
     fig, axes = plt.subplots(1, len(series), figsize=(3.6 * len(series), 3.4), squeeze=False)
     for ax, (name, s) in zip(axes[0], series.items()):
         xs = range(len(s["target"]))
-        for k, (policy, color) in enumerate((("lru", "tab:gray"), ("adaptive", "tab:blue"),
-                                             ("optimum", "tab:green"))):
-            ax.bar([x + (k - 1) * 0.27 for x in xs], s[policy], 0.27, color=color,
-                   label=policy)
+        bars = [(p, c) for p, c in (("lru", "tab:gray"), ("adaptive", "tab:blue"),
+                                    ("study", "tab:orange"), ("optimum", "tab:green")) if p in s]
+        width = 0.8 / len(bars)
+        for k, (policy, color) in enumerate(bars):
+            ax.bar([x + (k - (len(bars) - 1) / 2) * width for x in xs], s[policy], width,
+                   color=color, label=policy)
         ax.set_xticks(list(xs), [f"{t:.0%}" for t in s["target"]])
         ax.set(title=name, xlabel="cache size (LRU's share of the unbounded hit rate)",
                ylabel="hit rate", ylim=(0, 1))

@@ -34,14 +34,19 @@ from test_policy_reference import returning_conversation, tiny_chat, tiny_mix, t
 from kvcached import CacheConfig, CacheManager
 from kvcached.core import _core
 from kvcached.core.hashing import namespace_hash
-from kvcached.tools.workload import ChatRequest, replay
+from kvcached.tools.workload import (
+    ChatRequest,
+    iter_think_time_workload,
+    mix_one_off_prompts,
+    replay,
+)
 
 # The defaults, and variants that exercise every branch of the port: small and
 # narrow ghosts (8- and 16-bit entries, few ways, none at all), one class, few
 # bins (the ring wraps quickly), slow and no decay, coarse windows.
 PARAMS = {
     "default": AdaptiveParams(),
-    # min_window=1: windows of capacity // 8 ticks even in these small tiers,
+    # min_window=1: windows of capacity // 32 ticks even in these small tiers,
     # so the sequences below go through many window rebuilds
     "small_window": AdaptiveParams(min_window=1),
     "ghost16": AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4, min_window=1),
@@ -113,6 +118,7 @@ def random_calls(pol, rng: random.Random, steps: int, keyspace: int) -> None:
 def assert_same_tables(ref: AdaptivePolicy, port: _core.Policy) -> None:
     t = port.tables()
     assert t["hits"] == ref.hits and t["ends"] == ref.ends and t["density"] == ref.density
+    assert t["expire_after"] == ref.expire_after
     assert (port.tick, port.cur_win, port.window) == (ref.tick, ref.cur_win, ref.window)
     assert (port.ghost_size, port.ghost_hits) == (ref.ghost.size, ref.ghost_hits)
     assert port.leaves() == ref.leaves()
@@ -162,7 +168,7 @@ def test_workload_runs_replay_into_the_port(name, make):
 def test_a_long_run_where_the_ghost_wraps_replays_into_the_port():
     """Thousands of windows: ghost windows wrap (mod 2**win_bits), old lists fill,
     the tables decay over many rebuilds."""
-    params = AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4)
+    params = AdaptiveParams(ghost_bits=16, ghost_win_bits=6, ghost_factor=4, min_window=64)
     blocks = to_block_requests(tiny_mix(6000, 11), 4)
     rec = Recorder(AdaptivePolicy(24, params))
     simulate(blocks, 24, rec)
@@ -312,6 +318,52 @@ def test_a_returning_conversation_survives_one_off_prompts(tmp_path, policy):
     ref = AdaptivePolicy(24) if policy == "adaptive" else LRUPolicy()
     sim = simulate(returning_conversation(rounds), 24, ref, per_request=True).per_request
     assert [sim[i] for i in range(0, 5 * rounds, 5)][-10:] == hits[-10:]
+
+
+@pytest.mark.parametrize("capacity, lru, at_least, coarse", [
+    (19574, 0.425, 1.51, 1.4858),  # LRU gets half of the unbounded hit rate here
+    (27447, 0.639, 1.20, 1.1816),  # three quarters
+])
+def test_think_time_turns_need_age_bins_finer_than_a_turns_gap(capacity, lru, at_least,
+                                                               coarse):
+    """Turns come back 200-1000 requests later: at these sizes that is within a
+    few windows of capacity // 8 insertions, so 64 such bins lumped reuses of
+    different ages together and kept the wrong conversations (``coarse``: that
+    policy's ratio to LRU). 256 bins of capacity // 32 (the same horizon) tell
+    them apart. A seeded run of the benchmark's think workload, 5000 requests."""
+    reqs = iter_think_time_workload(5000, seed=0, think_time=(200, 1000), turns=(2, 16),
+                                    system_tokens=128)
+    blocks = to_block_requests(reqs, 32)
+    base = simulate(blocks, capacity, LRUPolicy()).hit_rate
+    assert base == pytest.approx(lru, abs=5e-4)
+
+    def ratio(params: AdaptiveParams) -> float:
+        return simulate(blocks, capacity, native(capacity, params)).hit_rate / base
+
+    assert ratio(AdaptiveParams()) >= at_least
+    assert ratio(AdaptiveParams(bins=64, windows_per_capacity=8)) == pytest.approx(
+        coarse, abs=5e-4)
+
+
+@pytest.mark.parametrize("capacity, lru, at_least", [
+    (12540, 0.1350, 2.70),  # LRU gets a fifth of the unbounded hit rate here
+    (23518, 0.3529, 1.58),  # half
+])
+def test_one_off_prompts_are_ended_before_the_ghost_overwrites_them(capacity, lru, at_least):
+    """One-off long prompts (5%) among think-time turns. A ghost of 8x the
+    capacity overwrites its first entry only after 8x the capacity in
+    evictions, later than this whole run: when ends were counted only then,
+    the tables never saw a never-reused block, the one-offs looked as good as
+    the turns and pushed them out (2.64x and 1.50x LRU here). Ending the ghost
+    entries twice as old as their class's reuses run counts them in time."""
+    reqs = mix_one_off_prompts(iter_think_time_workload(
+        5000, seed=0, think_time=(200, 1000), turns=(2, 16), system_tokens=128), seed=1)
+    blocks = to_block_requests(reqs, 32)
+    base = simulate(blocks, capacity, LRUPolicy()).hit_rate
+    assert base == pytest.approx(lru, abs=5e-4)
+    pol = native(capacity, AdaptiveParams())
+    assert simulate(blocks, capacity, pol).hit_rate / base >= at_least
+    assert pol.tables()["ends"] != [[0] * 256] * 4
 
 
 def test_a_ghost_hit_promotes_its_class_in_the_manager(tmp_path):

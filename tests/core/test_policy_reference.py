@@ -142,7 +142,7 @@ def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
     """The O(BINS) backward pass equals the density written out directly:
     hits at ages >= a over the lifetime they and the ends still take, the ends
     counted no later than just past the class's reuses, the last bin 0."""
-    pol = AdaptivePolicy(8, AdaptiveParams(decay_shift=62))  # no decay
+    pol = AdaptivePolicy(8, AdaptiveParams(bins=64, decay_shift=62))  # no decay
     hits, ends = [0] * 64, [0] * 64
     hits[2], hits[3], hits[4], hits[40] = 5 * ONE, 3 * ONE, ONE, ONE // 100
     ends[1], ends[30], ends[63] = ONE, 2 * ONE, 4 * ONE
@@ -164,7 +164,7 @@ def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
 
 
 def test_cold_tables_evict_in_lru_order_and_a_branch_tail_first():
-    pol = AdaptivePolicy(64)  # window = 64 ticks (min_window): all of this in one window
+    pol = AdaptivePolicy(64)  # window = 128 ticks (min_window): all of this in one window
     a, b, c, x = 1, 2, 3, 4  # a chain a <- b <- c, and x, used after it
     for key in (a, b, c, x):
         pol.on_insert(key, 1, 0)

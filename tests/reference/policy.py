@@ -63,12 +63,17 @@ Constants (``AdaptiveParams``), for a tier of ``capacity`` blocks::
 
     CLASSES = 4           class = min(uses, CLASSES - 1); uses counts on_hit
                           calls and ghost returns since the block was new
-    BINS = 64             age bins; the last one holds every older age
-    WINDOW = max(MIN_WINDOW, capacity // 8) ticks: the width of an age bin
-                          (so BINS * WINDOW = 8 x capacity: the reuse horizon)
-    MIN_WINDOW = 64       a rebuild costs O(CLASSES x BINS): in a tier of a
-                          few hundred blocks, windows of capacity // 8
-                          inserts made it most of the policy's cost
+    BINS = 256            age bins; the last one holds every older age
+    WINDOW = max(MIN_WINDOW, capacity // 32) ticks: the width of an age bin
+                          (so BINS * WINDOW = 8 x capacity: the reuse horizon).
+                          Chat turns come back within a few windows of
+                          capacity // 8: bins that wide lumped reuses of
+                          different ages together, which cost 3-4% of the hits
+                          at the 50% and 75% points of the think workload
+    MIN_WINDOW = 128      a rebuild costs O(CLASSES x BINS): in a tier of a
+                          few hundred blocks, short windows made it most of
+                          the policy's cost (at 256 bins, windows of 64
+                          inserts added 145 ns per insert, 128 add 50)
     GHOST = 8 * capacity  ghost entries (rounded up to whole sets of WAYS)
     WAYS = 8              ghost associativity
     DECAY_SHIFT = 7       the tables keep 1 - 2**-7 of their weight per window
@@ -95,13 +100,25 @@ Tables, per class c and age bin b: ``hits[c][b]`` and ``ends[c][b]``
   ``hits[c][bin(cur_win - w)] += ONE``, the entry is cleared, and the block
   starts with ``cls = min(c + 1, CLASSES - 1)``. Otherwise ``cls = 0``.
   Either way ``stamp = tick`` (after the tick).
-- end: the ghost overwrites an entry (c, w) to make room:
-  ``ends[c][bin(cur_win - w)] += ONE``: that block was not reused within
-  the ghost's reach. (Ends are not counted at eviction, as LHD does: a
+- end: the ghost overwrites an entry (c, w) to make room, or lets it
+  expire: ``ends[c][bin(cur_win - w)] += ONE``: that block was not reused
+  within the ghost's reach, or long after its class's reuses ran out.
+  Expiry: before ``on_evict`` writes its key's set, every entry of that set
+  whose age ``(cur_win - w) & 0xFFF`` exceeds ``expire_after[c]`` is
+  cleared and counted as an end, in way order; ``expire_after[c] = 2 *
+  cap`` (the class's end cap, below) as of the last rebuild, and never for
+  a class with no hits then (nor before the first rebuild). Why: a ghost of
+  8x the capacity starts overwriting only after 8x the capacity in
+  evictions; with ends counted only then, never-reused blocks looked as
+  good as any until then, and one-off prompts pushed conversations out (4-7%
+  of the hits on the scan workload at its 20% and 50% points). Expiring at
+  the cap itself, rather than twice it, cost the think workload 1% at its
+  50% point. (Ends are not counted at eviction, as LHD does: a
   returning block's reuse age, seen through the ghost, lies past its
   eviction, so the tables would mix "as kept" hits with "as evicted" ends,
   and old survivors would look dense; that lost 7% to LRU on the synthetic
-  workload.)
+  workload, and counting each eviction as an end until the block returns
+  lost 9% on think.)
 
 Rebuild, each time ``cur_win`` advances (every WINDOW ticks, O(CLASSES x
 BINS)): first every counter ``x -= x >> DECAY_SHIFT``; then per class, the
@@ -114,7 +131,8 @@ where the class's reuses run out); then from the last bin down::
     L += E
     density[c][b] = (H << 32) // L   if L else 0     (exact; H <= L)
 
-and last ``density[c][BINS - 1] = 0``. L is the expected remaining lifetime
+and last ``density[c][BINS - 1] = 0``, ``expire_after[c] = 2 * cap if H else
+never``. L is the expected remaining lifetime
 in bins, summed (LHD's ``lifetimeUnconditioned``). In C, do the rebuild in
 ``unsigned __int128``: a cell holds up to ~2**23 x the events of a window,
 L sums BINS**2 of them and ``H << 32`` needs 32 bits more; the densities,
@@ -166,7 +184,7 @@ the first empty way, else the way with the greatest age (first on ties),
 whose entry ends. 4 bytes per entry: 32 bytes per cached block at 8x
 (plus a count of entries held, and ``ghost_hits``, the inserts the ghost
 remembered: what status and metrics show). A false match (~WAYS / 65536 per insert) only adds a spurious hit to the
-tables; ages alias only if a set saw no insert for 4096 windows (512 x the
+tables; ages alias only if a set saw no insert for 4096 windows (128 x the
 capacity in insertions), which a full cache cannot do.
 """
 
@@ -247,14 +265,14 @@ class AdaptiveParams:
     """The adaptive policy's constants (see the module docstring)."""
 
     classes: int = 4
-    bins: int = 64
-    windows_per_capacity: int = 8  # WINDOW = capacity // this
+    bins: int = 256
+    windows_per_capacity: int = 32  # WINDOW = capacity // this
     ghost_factor: int = 8  # ghost entries per block of capacity
     ways: int = 8
     decay_shift: int = 7
     ghost_bits: int = 32  # a ghost entry's width: 8, 16 or 32
     ghost_win_bits: int = 12  # of which the window of last use (mod 2**this)
-    min_window: int = 64  # the fewest ticks per window (rebuilds are O(classes x bins))
+    min_window: int = 128  # the fewest ticks per window (rebuilds are O(classes x bins))
 
     def __post_init__(self) -> None:
         if not 1 <= self.classes <= 16:
@@ -289,6 +307,7 @@ class AdaptiveParams:
 
 
 ONE = 1 << 16  # one event in the tables' fixed point
+NEVER = MASK64  # no ghost entry of the class expires
 _OLD = -1  # the bucket key of a class's old list (ages past the horizon)
 
 
@@ -343,6 +362,24 @@ class Ghost:
                 return self._unpack(e), e & self.win_mask
         return None
 
+    def expire(self, key: int, cur_win: int, after: list[int]) -> list[tuple[int, int]]:
+        """Clear the entries of ``key``'s set older than ``after[cls]`` windows;
+        returns their ``(cls, age)``, in way order."""
+        if not self.sets:
+            return []
+        base, _ = self._locate(key)
+        out = []
+        for i in range(base, base + self.ways):
+            e = self.table[i]
+            if not e:
+                continue
+            cls, age = self._unpack(e), (cur_win - (e & self.win_mask)) & self.win_mask
+            if age > after[cls]:
+                self.table[i] = 0
+                self.size -= 1
+                out.append((cls, age))
+        return out
+
     def put(self, key: int, cls: int, win: int, cur_win: int) -> tuple[int, int] | None:
         """Remember ``key``; returns ``(cls, age in windows)`` of the entry it
         overwrote, or None when a way was empty."""
@@ -382,6 +419,7 @@ class AdaptivePolicy:
         self.hits = [[0] * p.bins for _ in range(p.classes)]
         self.ends = [[0] * p.bins for _ in range(p.classes)]
         self.density = [[0] * p.bins for _ in range(p.classes)]
+        self.expire_after = [NEVER] * p.classes  # ghost age past which an entry ends
         # (class, window or _OLD) -> leaves, oldest first (a doubly linked list in C)
         self.buckets: dict[tuple[int, int], OrderedDict[int, None]] = {}
         self.where: dict[int, tuple[int, int]] = {}  # leaf -> its bucket key
@@ -417,6 +455,8 @@ class AdaptivePolicy:
     def on_evict(self, key: int) -> None:
         assert key not in self.where, f"{key:#x} evicted while listed as a leaf"
         win = self.stamp.pop(key) // self.window
+        for ended in self.ghost.expire(key, self.cur_win, self.expire_after):
+            self._count(self.ends, *ended)
         ended = self.ghost.put(key, self.cls.pop(key), win, self.cur_win)
         if ended is not None:
             self._count(self.ends, *ended)
@@ -505,6 +545,11 @@ class AdaptivePolicy:
             # The last bin lumps every age past the horizon together, so its
             # events look one bin away: unknown, not dense. Evict it first.
             dens[last] = 0
+            # A ghost entry twice as old as the class's reuses run is as good
+            # as ended: counting it now, not when the ghost overwrites it
+            # (8x the capacity in evictions later), lets the tables see
+            # never-reused blocks from the start.
+            self.expire_after[c] = 2 * cap if h else NEVER
         self._rank()
 
     def _end_cap(self, hits: list[int]) -> int:

@@ -144,6 +144,7 @@ typedef struct {
     uint64_t tick, cur_win; /* on_insert calls; tick / window */
     uint64_t *hits, *ends;  /* [classes][bins], fixed point (ONE = one event) */
     uint64_t *density;      /* [classes][bins]: expected hits per lifetime, << 32 */
+    uint64_t expire_after[16]; /* per class: the ghost age past which an entry ends */
     uint16_t *ranks;        /* rank -> c * bins + b, lowest density first */
     uint16_t *rank_of;      /* c * bins + b -> rank */
     uint64_t *keys;         /* the ranking as sort keys, kept for the next */

@@ -1859,8 +1859,19 @@ static PyObject *Policy_entry(PyObject *self, PyObject *key) {
 
 static PyObject *Policy_tables(PyObject *self, PyObject *unused) {
     const policy_t *p = &POL(self)->p;
-    return Py_BuildValue("{sNsNsN}", "hits", table_list(p, p->hits), "ends",
-                         table_list(p, p->ends), "density", table_list(p, p->density));
+    PyObject *expire = PyList_New(p->prm.classes);
+    if (expire == NULL) return NULL;
+    for (int32_t c = 0; c < p->prm.classes; c++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(p->expire_after[c]);
+        if (v == NULL) {
+            Py_DECREF(expire);
+            return NULL;
+        }
+        PyList_SET_ITEM(expire, c, v);
+    }
+    return Py_BuildValue("{sNsNsNsN}", "hits", table_list(p, p->hits), "ends",
+                         table_list(p, p->ends), "density", table_list(p, p->density),
+                         "expire_after", expire);
 }
 
 static PyObject *Policy_stats(PyObject *self, PyObject *unused) {
@@ -1879,7 +1890,7 @@ static PyMethodDef policy_methods[] = {
     {"leaves", Policy_leaves, METH_NOARGS, "leaves() -> set[int]"},
     {"order", Policy_order, METH_NOARGS, "order() -> list[int]: the leaves in eviction order"},
     {"entry", Policy_entry, METH_O, "entry(key) -> (cls, stamp)"},
-    {"tables", Policy_tables, METH_NOARGS, "tables() -> {hits, ends, density}: [class][bin]"},
+    {"tables", Policy_tables, METH_NOARGS, "tables() -> {hits, ends, density}: [class][bin]; expire_after: [class]"},
     {"stats", Policy_stats, METH_NOARGS, "stats() -> dict: ghost size and hits, inserts, ..."},
     {NULL},
 };

@@ -18,7 +18,9 @@
  *   O(classes x bins), in 128-bit arithmetic.
  * - The ghost remembers evicted keys (set-associative, a fingerprint, the
  *   class and the window of last use per entry), so a block that comes back
- *   after eviction teaches the tables its reuse age and is promoted.
+ *   after eviction teaches the tables its reuse age and is promoted. An
+ *   entry ends (counts as "never reused") when the ghost overwrites it, or
+ *   once it is twice as old as its class's reuses run.
  *
  * Per entry: pnode_t (16 bytes): list links, and stamp, class, listed and
  * tracked packed in one word. Everything is integer arithmetic; every tie has
@@ -37,9 +39,9 @@ static inline int cls_of(const pnode_t *n) { return (int)((n->meta >> CLS_SHIFT)
 
 void pol_default_params(pol_params_t *p) {
     p->classes = 4;
-    p->bins = 64;
-    p->windows_per_capacity = 8;
-    p->min_window = 64;
+    p->bins = 256;
+    p->windows_per_capacity = 32;
+    p->min_window = 128;
     p->ghost_factor = 8;
     p->ways = 8;
     p->decay_shift = 7;
@@ -350,6 +352,11 @@ static void rebuild(policy_t *p) {
         }
         /* the last bin lumps every age past the horizon: unknown, not dense */
         dens[last] = 0;
+        /* a ghost entry twice as old as the class's reuses run is as good as
+         * ended: counted now, not when the ghost overwrites it (8x the
+         * capacity in evictions later), the tables see never-reused blocks
+         * from the start */
+        p->expire_after[c] = h ? 2 * (uint64_t)cap : UINT64_MAX;
     }
     rank_cells(p);
 }
@@ -406,10 +413,32 @@ void pol_on_hit(policy_t *p, int32_t i) {
     if (leaf) pol_add_leaf(p, i);
 }
 
+/* End the entries of the key's set that outlived their class (older than
+ * its expire_after), in way order. */
+static void ghost_expire(policy_t *p, uint64_t key) {
+    if (p->sets == 0) return;
+    uint64_t base;
+    uint32_t fp;
+    g_locate(p, key, &base, &fp);
+    uint64_t wmask = (1ULL << p->prm.ghost_win_bits) - 1;
+    for (uint64_t k = base; k < base + (uint64_t)p->prm.ways; k++) {
+        uint32_t e = g_get(p, k);
+        if (e == 0) continue;
+        int cls = (int)((e >> p->prm.ghost_win_bits) & ((1u << p->cls_bits) - 1));
+        uint64_t age = (p->cur_win - (e & wmask)) & wmask;
+        if (age > p->expire_after[cls]) {
+            g_set(p, k, 0);
+            p->ghost_size--;
+            count(p, p->ends, cls, age);
+        }
+    }
+}
+
 void pol_on_evict(policy_t *p, int32_t i, uint64_t key) {
     pnode_t *n = &p->pnode[i];
     int end_cls;
     uint64_t end_age;
+    ghost_expire(p, key);
     if (ghost_put(p, key, cls_of(n), stamp_of(n) / p->window, &end_cls, &end_age))
         count(p, p->ends, end_cls, end_age);
     n->meta = 0;
@@ -456,6 +485,7 @@ int pol_init(policy_t *p, int64_t capacity, const pol_params_t *prm) {
         pol_free(p);
         return -1;
     }
+    for (int32_t c = 0; c < 16; c++) p->expire_after[c] = UINT64_MAX;
     for (int32_t k = 0; k < cells; k++) {
         int32_t c = k / prm->bins, b = k % prm->bins;
         p->lists[k].head = p->lists[k].tail = NIL;
