@@ -30,7 +30,15 @@ dominate as it does on real models):
 4. Scheduler time. 64 requests running at once: the time vLLM's scheduler
    spends in kvcached per step, p50/p99 (target p99 <= 1 ms), as
    ``kvcached status`` reports it.
-Every mode must give the same greedy outputs.
+Every mode must give the same greedy outputs, and every mode's vLLM binds its
+threads alike: vLLM's CPU build keeps cores out of its worker's OpenMP threads
+for its other processes, one without a connector and one more with any
+connector (``ompmultiprocessing.py``: "reserve at one more core for
+nixl_connector"), and where that leaves no core to the worker it reserves none
+(on 2 cores: the worker computes on both with a connector, on one without).
+Each mode runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (unless set): the worker
+computes on all cores but one in every mode, the connector's own processes
+(kvcached's transfer workers, LMCache's server) share the other with vLLM's.
 
     python scripts/bench_vllm.py [--quick] [--lmcache-python PY] [--hit-chat-only]
 
@@ -287,6 +295,8 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
     t = time.monotonic()
     # vLLM's own progress stays quiet; its warnings and ours reach stderr.
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+           # the same cores for the worker's threads in every mode (docstring)
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if p.get("one_process") else {}),
            **(env or {})}  # vLLM in one process starts in seconds, not tens
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
