@@ -59,7 +59,8 @@ alternate on each prompt in its process, as kvcached's do. LMCache's usage
 reporting is turned off (``LMCACHE_TRACK_USAGE=false``).
 
 ``--hit-chat-only`` runs only phases 1 and 2 (no restart, no-reuse or
-scheduler processes): the full run takes ~30 minutes here, these ~15.
+scheduler processes): the full run with LMCache takes ~35 minutes here,
+these ~20.
 
 Progress on stderr; the last line on stdout is JSON ``{"bench": "vllm", ...}``.
 """
