@@ -31,12 +31,37 @@ dominate as it does on real models):
    spends in kvcached per step, p50/p99 (target p99 <= 1 ms), as
    ``kvcached status`` reports it: wall time, and that thread's CPU time (the
    rest is waiting for a core or for the GIL). ``--busy-only`` runs just this.
-Every mode must give the same greedy outputs.
+Every mode must give the same greedy outputs, and every mode's vLLM binds its
+threads alike: vLLM's CPU build keeps cores out of its worker's OpenMP threads
+for its other processes, one without a connector and one more with any
+connector (``ompmultiprocessing.py``: "reserve at one more core for
+nixl_connector"), and where that leaves no core to the worker it reserves none
+(on 2 cores: the worker computes on both with a connector, on one without).
+Each mode runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (unless set): the worker
+computes on all cores but one in every mode, the connector's own processes
+(kvcached's transfer workers, LMCache's server) share the other with vLLM's.
 
-    python scripts/bench_vllm.py [--quick]
+    python scripts/bench_vllm.py [--quick] [--lmcache-python PY] [--hit-chat-only] [--busy-only]
 
 ``--quick`` is a smoke run of the script (a tiny model; no ExampleConnector;
 the scheduler phase in the kvcached process; vLLM's engine in one process).
+
+``--lmcache-python PY`` adds LMCache, the peer, as a mode of phases 1 and 2:
+``PY`` is the interpreter of LMCache's own environment
+(``scripts/setup_lmcache_env.sh`` makes it: LMCache pulls CUDA-only wheels
+and an older numpy). LMCache 0.5.6 runs on vLLM's CPU build in its
+multi-process mode only: the script starts its server (``PY -m
+lmcache.v1.multiprocess.http_server --chunk-size 32 --l1-size-gb 2
+--eviction-policy LRU --supported-transfer-mode auto --shm-name NAME``), runs
+vLLM with vLLM's ``LMCacheMPConnector`` against it (vLLM's processes see that
+environment's ``lmcache`` package through a PYTHONPATH entry holding only a
+link to it) and stops the server at the end. Its CPU hit and vLLM's own hit
+alternate on each prompt in its process, as kvcached's do. LMCache's usage
+reporting is turned off (``LMCACHE_TRACK_USAGE=false``).
+
+``--hit-chat-only`` runs only phases 1 and 2 (no restart, no-reuse or
+scheduler processes): the full run with LMCache takes ~35 minutes here,
+these ~20.
 
 Progress on stderr; the last line on stdout is JSON ``{"bench": "vllm", ...}``.
 """
@@ -47,11 +72,14 @@ import argparse
 import json
 import os
 import random
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -259,7 +287,7 @@ def child(spec: dict) -> dict:
 
 # ----------------------------------------------------------------- parent
 def run_mode(name: str, model: str, p: dict, connector: dict | None,
-             phases: list[str], max_num_seqs: int = 8) -> dict:
+             phases: list[str], max_num_seqs: int = 8, env: dict | None = None) -> dict:
     # The result travels in a file: vLLM's processes share the child's stdout
     # and may write to it at any moment, even mid-line.
     result = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-")) / "result.json"
@@ -268,9 +296,11 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
             "max_num_seqs": max_num_seqs}
     t = time.monotonic()
     # vLLM's own progress stays quiet; its warnings and ours reach stderr.
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    if p.get("one_process"):  # vLLM in one process starts in seconds, not tens
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+           # the same cores for the worker's threads in every mode (docstring)
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+           **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if p.get("one_process") else {}),
+           **(env or {})}  # vLLM in one process starts in seconds, not tens
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                          stdout=sys.stderr, timeout=3600, env=env)
     if res.returncode or not result.exists():
@@ -297,6 +327,100 @@ def example_connector(path: Path) -> dict:
             "kv_connector_extra_config": {"shared_storage_path": str(path)}}
 
 
+class LMCacheServer:
+    """LMCache's multi-process server, run by the interpreter of LMCache's own
+    environment, and what vLLM's processes need to reach it."""
+
+    def __init__(self, python: str, work: Path, l1_gb: int = 2):
+        self.python, self.work, self.l1_gb = python, work, l1_gb
+        self.port, self.http_port = free_port(), free_port()
+        self.shm = f"kvcached-bench-lmcache-{os.getpid()}"
+        self.log = work / "lmcache-server.log"
+        self.proc: subprocess.Popen | None = None
+        # vLLM's connector imports the lmcache package: a folder holding only a
+        # link to that environment's package goes on vLLM's PYTHONPATH, so none
+        # of that environment's other packages (its numpy, its CUDA wheels) do.
+        where = subprocess.run(
+            [python, "-c", "import importlib.util as u; "
+             "print(u.find_spec('lmcache').submodule_search_locations[0])"],
+            capture_output=True, text=True, timeout=60)
+        if where.returncode:
+            raise SystemExit(f"{python} has no lmcache package (scripts/setup_lmcache_env.sh "
+                             f"makes one): {where.stderr.strip()[-500:]}")
+        self.path = work / "lmcache-path"
+        self.path.mkdir(exist_ok=True)
+        (self.path / "lmcache").symlink_to(where.stdout.strip())
+
+    def env(self) -> dict:
+        """For vLLM's processes: the lmcache package reachable, no usage reports,
+        and vLLM in its own layout even with --quick: in one process the
+        connector (importing lmcache, which imports numba) is loaded before
+        vLLM's CPU worker scans every module for Triton kernels to override,
+        and the scan fails on an llvmlite object (AttributeError:
+        '_lib_fn_wrapper' object has no attribute 'get')."""
+        pp = os.environ.get("PYTHONPATH")
+        return {"PYTHONPATH": f"{self.path}{os.pathsep + pp if pp else ''}",
+                "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+    def connector(self) -> dict:
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                              "lmcache.mp.port": self.port}}
+
+    def __enter__(self) -> LMCacheServer:
+        cmd = [self.python, "-m", "lmcache.v1.multiprocess.http_server",
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+               "--chunk-size", str(BS), "--l1-size-gb", str(self.l1_gb),
+               "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+               "--shm-name", self.shm]
+        log(f"lmcache: starting its server ({' '.join(cmd[1:])}), log in {self.log}")
+        env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+        env.pop("PYTHONPATH", None)  # its own environment, nothing of this checkout's
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        url = f"http://127.0.0.1:{self.http_port}/"
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"LMCache's server exited (rc {self.proc.returncode}):\n"
+                                 + self.log.read_text(errors="replace")[-3000:])
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise SystemExit(f"LMCache's server did not answer on {url} in 180 s; "
+                                 f"its log: {self.log}")
+            time.sleep(0.5)
+        log(f"lmcache: server up on port {self.port}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """SIGTERM (it closes its cache and removes its shared memory), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            log("lmcache: server ignored SIGTERM for 30 s; killed")
+            self.proc.kill()
+            self.proc.wait(10)
+        log(f"lmcache: server stopped (rc {self.proc.returncode})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rounds(modes: dict, mode: str) -> list[float]:
     """No-reuse throughput of every round of ``mode``'s processes."""
     return [r for m in (mode, mode + "2") if m in modes for r in modes[m]["no_reuse"]["rounds"]]
@@ -313,51 +437,77 @@ def no_reuse_summary(modes: dict) -> dict:
                                       if "no_reuse" in modes[m])}
 
 
+def hit_pairs(mode: dict) -> list[float]:
+    """A connector's hit over vLLM's own hit of the same prompt, taken in turn."""
+    hit = mode["per_hit"]
+    return [c / o for c, o in zip(hit["conn"], hit["own"][:len(hit["conn"])], strict=True)]
+
+
 def summary(modes: dict, p: dict) -> dict:
-    plain, kv, rs = modes["plain"], modes["kvcached"], modes["restart"]
+    plain, kv = modes["plain"], modes["kvcached"]
+    rs = modes.get("restart")  # not in --hit-chat-only
     ex = modes.get("example")  # not in --quick
-    busy = modes.get("busy", kv)["busy"]
+    lm = modes.get("lmcache")  # with --lmcache-python
+    busy = modes.get("busy", kv).get("busy")
     hit = kv["per_hit"]
-    pairs = [c / o for c, o in zip(hit["conn"], hit["own"][:len(hit["conn"])], strict=True)]
+    pairs = hit_pairs(kv)
     med = statistics.median
     full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
-    chats = {m: modes[m]["chat"] for m in ("plain", "example", "kvcached") if m in modes}
+    chats = {m: modes[m]["chat"] for m in ("plain", "example", "lmcache", "kvcached")
+             if m in modes}
     ref = plain["per_hit"]["outputs"]
     same = {"per_hit_kvcached": hit["outputs"] == ref,
-            "restart": rs["restart_hit"]["outputs"] == ref,
-            "chat_kvcached": chats["kvcached"]["outputs"] == chats["plain"]["outputs"],
-            "no_reuse": no_reuse_summary(modes)["no_reuse_identical"]}
-    if ex:
-        same.update(per_hit_example=ex["per_hit"]["outputs"] == ref,
-                    chat_example=chats["example"]["outputs"] == chats["plain"]["outputs"])
+            "chat_kvcached": chats["kvcached"]["outputs"] == chats["plain"]["outputs"]}
+    for m in ("example", "lmcache"):
+        if m in modes:
+            same.update({f"per_hit_{m}": modes[m]["per_hit"]["outputs"] == ref,
+                         f"chat_{m}": chats[m]["outputs"] == chats["plain"]["outputs"]})
     least = chats["kvcached"]["least_computed_tokens"] / chats["kvcached"]["prompt_tokens"]
     got = chats["kvcached"]["computed_tokens"] / chats["kvcached"]["prompt_tokens"]
     ttft = {"full_prefill": med(plain["per_hit"]["cold"]), "vllm_own_hit": med(hit["own"]),
-            "kvcached_cpu": med(hit["conn"]),
-            "kvcached_storage_after_restart": med(rs["restart_hit"]["storage"])}
+            "kvcached_cpu": med(hit["conn"])}
     out = {
         "per_hit_ttft_s": ttft,
         "cpu_hit_vs_own_hit": med(pairs),
         "cpu_hit_vs_own_hit_spread": {"pairs": len(pairs), "p10": percentile(pairs, 0.1),
                                       "p90": percentile(pairs, 0.9)},
-        "storage_hit_vs_own_hit": ttft["kvcached_storage_after_restart"] / ttft["vllm_own_hit"],
-        "scheduler_step_us": busy["scheduler_step_us"],
-        "busy_running_requests": busy["requests"],
         "cpu_hit_blocks_served": min(hit["conn_cached"]) / full,
-        "storage_hit_blocks_served": min(rs["restart_hit"]["cached"]) / full,
         "chat": {m: {k: v for k, v in c.items() if k != "outputs"} for m, c in chats.items()},
         "chat_ttft_vs_no_connector": chats["kvcached"]["ttft_mean_s"]
         / chats["plain"]["ttft_mean_s"],
         "chat_computed_share": got, "chat_least_computed_share": least,
         "chat_points_above_least": 100 * (got - least),
-        **{k: v for k, v in no_reuse_summary(modes).items() if k != "no_reuse_identical"},
-        "identical_outputs": all(same.values()), "identical": same,
     }
+    if rs:
+        same["restart"] = rs["restart_hit"]["outputs"] == ref
+        ttft["kvcached_storage_after_restart"] = med(rs["restart_hit"]["storage"])
+        out["storage_hit_vs_own_hit"] = (ttft["kvcached_storage_after_restart"]
+                                         / ttft["vllm_own_hit"])
+        out["storage_hit_blocks_served"] = min(rs["restart_hit"]["cached"]) / full
+    if busy:
+        out["scheduler_step_us"] = busy["scheduler_step_us"]
+        out["busy_running_requests"] = busy["requests"]
+    if "no_reuse" in plain:
+        same["no_reuse"] = no_reuse_summary(modes)["no_reuse_identical"]
+        out.update({k: v for k, v in no_reuse_summary(modes).items()
+                    if k != "no_reuse_identical"})
     if ex:
         ttft["example_connector"] = med(ex["per_hit"]["conn"])
         out["example_vs_own_hit"] = med(ex["per_hit"]["conn"]) / med(ex["per_hit"]["own"])
         out["chat_ttft_vs_example"] = (chats["kvcached"]["ttft_mean_s"]
                                        / chats["example"]["ttft_mean_s"])
+    if lm:
+        lpairs = hit_pairs(lm)
+        ttft["lmcache_cpu"] = med(lm["per_hit"]["conn"])
+        ttft["lmcache_vllm_own_hit"] = med(lm["per_hit"]["own"])
+        out["lmcache_hit_vs_own_hit"] = med(lpairs)
+        out["lmcache_hit_vs_own_hit_spread"] = {"pairs": len(lpairs),
+                                                "p10": percentile(lpairs, 0.1),
+                                                "p90": percentile(lpairs, 0.9)}
+        out["lmcache_hit_blocks_served"] = min(lm["per_hit"]["conn_cached"]) / full
+        out["chat_ttft_vs_lmcache"] = (chats["kvcached"]["ttft_mean_s"]
+                                       / chats["lmcache"]["ttft_mean_s"])
+    out.update(identical_outputs=all(same.values()), identical=same)
     return out
 
 
@@ -379,6 +529,11 @@ def main() -> None:
                     help="only the no-reuse rounds (plain, kvcached)")
     ap.add_argument("--busy-only", action="store_true",
                     help="only the scheduler-time phase (64 requests running at once)")
+    ap.add_argument("--lmcache-python", metavar="PY",
+                    help="LMCache's environment's interpreter: adds LMCache as a mode "
+                         "(scripts/setup_lmcache_env.sh makes that environment)")
+    ap.add_argument("--hit-chat-only", action="store_true",
+                    help="only the per-hit and multi-turn chat phases")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -403,20 +558,27 @@ def main() -> None:
             print(json.dumps({"bench": "vllm_no_reuse", **no_reuse_modes(
                 model, p, work, cpu_blocks, twice=not args.quick)}), flush=True)
             return
-        kv_phases = ["no_reuse", "per_hit", "chat"]
+        hit_chat = ["per_hit", "chat"]
+        kv_phases = hit_chat if args.hit_chat_only else ["no_reuse"] + hit_chat
         modes = {
             "plain": run_mode("plain", model, p, None, kv_phases),
             # --quick (a smoke run): the busy phase in this process, no example
             "kvcached": run_mode("kvcached", model, p,
                                  kvcached_connector(work / "run1", store, cpu_blocks),
-                                 kv_phases + ["busy"] * args.quick),
-            "restart": run_mode("restart", model, p,
-                                kvcached_connector(work / "run2", store, cpu_blocks),
-                                ["restart_hit"]),
+                                 kv_phases + ["busy"] * (args.quick and not args.hit_chat_only)),
         }
+        if args.lmcache_python:
+            with LMCacheServer(args.lmcache_python, work) as lmc:
+                modes["lmcache"] = run_mode("lmcache", model, p, lmc.connector(), hit_chat,
+                                            env=lmc.env())
+        if not args.hit_chat_only:
+            modes["restart"] = run_mode("restart", model, p,
+                                        kvcached_connector(work / "run2", store, cpu_blocks),
+                                        ["restart_hit"])
         if not args.quick:
             modes["example"] = run_mode("example", model, p, example_connector(work / "example"),
-                                        ["per_hit", "chat"])
+                                        hit_chat)
+        if not args.quick and not args.hit_chat_only:
             modes["busy"] = run_mode("busy", model, {**p, "kv_mb": p["busy_kv_mb"]},
                                      kvcached_connector(work / "run4", work / "store4",
                                                         cpu_blocks),
@@ -426,7 +588,7 @@ def main() -> None:
             modes["plain2"] = run_mode("plain2", model, p, None, ["no_reuse"])
             modes["kvcached2"] = run_mode("kvcached2", model, p, kvcached_connector(
                 work / "run3", work / "store3", cpu_blocks), ["no_reuse"])
-    out = {"bench": "vllm", "quick": bool(args.quick),
+    out = {"bench": "vllm", "quick": bool(args.quick), "hit_chat_only": args.hit_chat_only,
            "model": f"random Llama {p['layers']}x{p['hidden']}", **summary(modes, p),
            "load_avg_1m_after": {m: r["load_avg_1m_after"] for m, r in modes.items()}}
     print(json.dumps(out), flush=True)

@@ -14,7 +14,8 @@ whole output can be saved and passed as is. Charts, one per kind found:
 - ``trace_hit_rate.png``: hit rate (total and per tier) vs GPU tier capacity
   (``kvcached bench trace``, one line per capacity);
 - ``vllm.png``: TTFT of a hit by where it comes from, and multi-turn chat
-  TTFT and prefill computed per mode (``scripts/bench_vllm.py``);
+  TTFT and prefill computed per mode, LMCache's too where the run had it
+  (``scripts/bench_vllm.py``);
 - ``policy.png``: hit rate of LRU, the adaptive policy, the study it was
   modelled on (when the rows have it) and the offline optimum at each cache
   size, per workload (``scripts/bench_policy.py``);
@@ -156,15 +157,19 @@ def plot_vllm(plt, results: list[dict], out: Path) -> Path:
     res = results[-1]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     hit = res["per_hit_ttft_s"]
-    names = ["vllm_own_hit", "kvcached_cpu", "example_connector",
-             "kvcached_storage_after_restart", "full_prefill"]
-    labels = ["vLLM's own\nprefix cache", "kvcached\nCPU tier", "vLLM\nExampleConnector",
-              "kvcached storage\n(new process)", "no cache\n(full prefill)"]
-    a.bar(labels, [1000 * hit[n] for n in names], color="tab:blue")
+    sources = [("vllm_own_hit", "vLLM's own\nprefix cache"), ("kvcached_cpu", "kvcached\nCPU tier"),
+               ("lmcache_cpu", "LMCache\n(its server)"),
+               ("example_connector", "vLLM\nExampleConnector"),
+               ("kvcached_storage_after_restart", "kvcached storage\n(new process)"),
+               ("full_prefill", "no cache\n(full prefill)")]
+    sources = [(n, label) for n, label in sources if n in hit]  # --hit-chat-only, no LMCache
+    a.bar([label for _, label in sources], [1000 * hit[n] for n, _ in sources], color="tab:blue")
     a.set(ylabel="TTFT ms (median)", title="One prompt served again")
     a.tick_params(axis="x", labelsize=7)
     chat = res["chat"]
-    modes = [("plain", "no connector"), ("example", "ExampleConnector"), ("kvcached", "kvcached")]
+    modes = [(m, name) for m, name in [("plain", "no connector"), ("example", "ExampleConnector"),
+                                       ("lmcache", "LMCache"), ("kvcached", "kvcached")]
+             if m in chat]
     xs = range(len(modes))
     b.bar([x - 0.2 for x in xs], [chat[m]["ttft_mean_s"] * 1000 for m, _ in modes], 0.4,
           label="mean TTFT ms")
