@@ -1,10 +1,10 @@
-"""A vLLM run for the connector tests (and the benchmark): runs the steps of a
-JSON spec in one vLLM process and prints one JSON line with what each step saw.
+"""A vLLM run for the connector tests: runs the steps of a JSON spec in one
+vLLM process and writes what each step saw, as JSON, to RESULT.
 
-    python tests/vllm_app.py '{"model": DIR, "extra": {...} | null, "steps": [...]}'
+    python tests/vllm_app.py '{"model": DIR, "extra": {...} | null, "steps": [...]}' RESULT
 
-vLLM runs in this one process unless the spec says ``"multiprocess": true``
-(vLLM's own layout: an engine-core process and one worker process per rank).
+vLLM's engine core runs in this one process (with ``"tp": 2``, one worker
+process per rank); the tests fork it from ``tests/vllm_forkserver.py``.
 
 Steps: ``["generate", name]`` (greedy outputs and ``num_cached_tokens`` of the
 prompt set ``name``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
@@ -164,14 +164,10 @@ def wait_worker_back(run_dir: str, old_pid: int, deadline_s: float = 60.0) -> in
 
 
 def idle(llm, spec: dict) -> None:
-    """Let vLLM run while the app waits. Its engine core, in a process of its
-    own, steps by itself while finished requests wait for their saves; in this
-    process it steps only when asked."""
-    if spec.get("multiprocess"):
-        time.sleep(0.05)
-    else:
-        llm.llm_engine.step()
-        time.sleep(0.01)
+    """Let vLLM run while the app waits: its engine core, in this process,
+    steps only when asked (finished requests wait there for their saves)."""
+    llm.llm_engine.step()
+    time.sleep(0.01)
 
 
 def wait_stored(run_dir: str, blocks: int, idle, deadline_s: float = 120.0) -> int:
@@ -207,11 +203,10 @@ def abort_after(llm, prompt_set: list[list[int]], sp, steps: int) -> dict:
 
 
 def main(spec: dict) -> dict:
-    if not spec.get("multiprocess"):
-        # vLLM's engine core and model runner in this process: the same
-        # connector calls, without two more Python processes to start (tens
-        # of seconds each here); "multiprocess": true runs vLLM's layout.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's engine core in this process: the same connector calls, without
+    # another Python process to spawn (vLLM's CPU build spawns, importing vLLM
+    # again: ~10 s here)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     kw = {}
@@ -315,9 +310,13 @@ def main(spec: dict) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
+def run(spec_json: str, result_path: str) -> None:
+    spec = json.loads(spec_json)
     make_model(spec["model"], *spec.get("model_shape", ()))
     result = main(spec)
     # A file, not stdout: vLLM's processes write to stdout at any moment.
-    Path(sys.argv[2]).write_text(json.dumps(result))
+    Path(result_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])

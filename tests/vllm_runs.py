@@ -1,7 +1,7 @@
 """What the vLLM tests share: running ``tests/vllm_app.py``, the prompt sets,
 and the run of vLLM without a connector that every test compares against
-(one process for the whole session: each vLLM process costs tens of seconds
-here).
+(one process for the whole session: each vLLM process costs seconds here,
+and importing vLLM 9 more, which the fork server pays once).
 
 Prompt specs are ``[seed, length]`` or ``[seed, length, head_seed, head_length]``
 (a head shared by every prompt with that head seed; see ``vllm_app.prompts``).
@@ -9,14 +9,16 @@ Prompt specs are ``[seed, length]`` or ``[seed, length, head_seed, head_length]`
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
-import sys
 import tempfile
+import threading
 from pathlib import Path
 
-APP = Path(__file__).with_name("vllm_app.py")
+from vllm_forkserver import ForkServer
+
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 DEADLINE_S = 600
 
@@ -31,14 +33,36 @@ CONTROL = [[700 + s, n, 30 + (s // 4), HEAD] for s, (_, n, _, _) in enumerate(GR
 PROMPTS = {"p": SINGLE, "g": GROUPS, "new": NEW, "after": AFTER, "control": CONTROL}
 
 
+_SERVER: ForkServer | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def _server() -> ForkServer:
+    """The session's fork server (``tests/vllm_forkserver.py``), started on first use."""
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None:
+            _SERVER = ForkServer()
+            atexit.register(_SERVER.close)
+        return _SERVER
+
+
+def vllm_env(env: dict | None = None) -> dict:
+    """The environment of a vLLM process a test starts: the test's own, and
+    vLLM's cache directory shared by the session unless one is set. (Each test
+    has a cache directory of its own, XDG_CACHE_HOME; in an empty one vLLM
+    inspects the model class in a new process: 8 s here.)"""
+    cache = os.environ.get("VLLM_CACHE_ROOT") or _server().vllm_cache
+    return {**os.environ, "VLLM_CACHE_ROOT": cache, **(env or {})}
+
+
 def run_app(spec: dict, env: dict | None = None, check: bool = True) -> dict | subprocess.CompletedProcess:
-    """One vLLM process through ``spec``'s steps; its result (or, with
+    """One vLLM process through ``spec``'s steps (forked by the session's fork
+    server, which paid for importing vLLM once); its result (or, with
     ``check=False``, the finished process)."""
     with tempfile.TemporaryDirectory(prefix="kvcached-vllm-app-") as tmp:
         result = Path(tmp) / "result.json"
-        res = subprocess.run([sys.executable, str(APP), json.dumps(spec), str(result)],
-                             capture_output=True, text=True, timeout=DEADLINE_S,
-                             env={**os.environ, **(env or {})})
+        res = _server().run([json.dumps(spec), str(result)], vllm_env(env), timeout=DEADLINE_S)
         if not check:
             return res
         assert res.returncode == 0 and result.is_file(), \

@@ -2,8 +2,8 @@
 
 Each test runs ``tests/vllm_app.py`` in its own process (a test process must
 not hold vLLM) on a small random-weight Llama made at test time; vLLM runs
-in that one process, except where a test needs its process layout (an
-engine-core process and a worker process per rank: tensor parallelism).
+in that one process, except where a test needs more (a worker process per
+rank: tensor parallelism; vLLM's OpenAI server).
 One test starts vLLM's OpenAI server as a user would, with the README's
 flag and workers started by ``kvcached launch``, and restarts it. Greedy outputs must match a run
 without the connector token for token; vLLM's own ``num_cached_tokens``
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_runs import BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_share
+from vllm_runs import BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_share, vllm_env
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
@@ -136,7 +136,8 @@ def test_tensor_parallel_two_ranks(tmp_path):
     """Two ranks, two transfer workers, every task barriered over both."""
     model = str(tmp_path / "llama-2kv")  # two KV heads: one per rank
     extra = {"num_cpu_blocks": 256, "run_dir": str(tmp_path / "run")}
-    spec = {"model": model, "model_shape": [2, 256], "tp": 2, "extra": extra, "multiprocess": True,
+    # the engine core in this process, one worker process per rank
+    spec = {"model": model, "model_shape": [2, 256], "tp": 2, "extra": extra,
             "prompts": {"p": PROMPTS["p"][:2]},
             "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]}
     # vLLM's CPU build binds each rank's threads to a NUMA node unless told the CPUs.
@@ -188,7 +189,10 @@ class Served:
                "kv_connector_extra_config": {
                    "num_cpu_blocks": 256, "storage_backend": "file", "storage_url": str(store),
                    "run_dir": str(run_dir), "spawn_workers": False,
-                   "worker_start_timeout_s": 300}}
+                   "worker_start_timeout_s": 300,
+                   # a fresh server's first lookup on a loaded machine can pass
+                   # the 0.1 s default, and the test asserts a storage hit
+                   "storage_lookup_timeout_s": 10.0}}
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -196,7 +200,7 @@ class Served:
              "--block-size", str(BLOCK), "--enforce-eager", "--dtype", "float32",
              "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
              "--kv-transfer-config", json.dumps(cfg)],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=vllm_env())
         self.launcher = None
 
     def wait_ready(self) -> None:
@@ -290,7 +294,7 @@ def test_bench_vllm_quick():
     workload allows."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "bench_vllm.py"
     res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
-                         text=True, timeout=1500)
+                         text=True, timeout=1500, env=vllm_env())
     assert res.returncode == 0, res.stderr[-5000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["bench"] == "vllm" and out["identical_outputs"], out["identical"]

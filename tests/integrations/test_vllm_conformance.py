@@ -23,7 +23,6 @@ full blocks come cached. Each scenario is one vLLM process
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +42,10 @@ from vllm_runs import (
     run_app,
     served_share,
     status_of,
+    vllm_env,
 )
+
+from kvcached.config import CacheConfig
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
@@ -54,8 +56,16 @@ CHUNKED = {"max_num_batched_tokens": 256, "num_gpu_blocks_override": 48, "max_mo
            "max_tokens": 40, "log_stats": True}
 
 
+# A lookup not answered within storage_lookup_timeout_s (0.1 s) is a miss; a
+# fresh process's first lookup on a loaded 2-core machine can take longer. The
+# scenarios assert what storage serves, so they wait for it; only the frozen
+# Redis scenario runs with the default.
+LOOKUP_WAIT_S = 10.0
+
+
 def kv_extra(run_dir, **kw) -> dict:
-    return {"num_cpu_blocks": 1024, "run_dir": str(run_dir), **kw}
+    return {"num_cpu_blocks": 1024, "run_dir": str(run_dir),
+            "storage_lookup_timeout_s": LOOKUP_WAIT_S, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +160,8 @@ def test_redis_frozen_then_killed(model, plain, tmp_path):
     killed, outputs stay identical."""
     redis = RedisServer(tmp_path).start()
     try:
-        extra = kv_extra(tmp_path / "run", storage_backend="redis", storage_url=redis.url)
+        extra = kv_extra(tmp_path / "run", storage_backend="redis", storage_url=redis.url,
+                         storage_lookup_timeout_s=CacheConfig().storage_lookup_timeout_s)
         res = run_app({"model": model, "extra": extra, "prompts": PROMPTS,
                        "steps": [["generate", "g"], ["generate", "control"],
                                  ["signal", redis.proc.pid, "SIGSTOP"],
@@ -185,7 +196,7 @@ def run_in_netns(specs: list[dict], tmp_path) -> list[dict]:
     src, out = tmp_path / "specs.json", tmp_path / "results.json"
     src.write_text(json.dumps(specs))
     inner = 'ip link set lo up && exec "$0" "$1" "$2" "$3"'
-    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"}
+    env = vllm_env({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"})
     res = subprocess.run(["unshare", "-n", "sh", "-c", inner, sys.executable,
                           str(Path(__file__).resolve().parents[1] / "netns_fleet.py"), str(src), str(out)],
                          capture_output=True, text=True, timeout=DEADLINE_S, env=env)
@@ -268,8 +279,8 @@ def test_a_fresh_consumer_gets_every_block_from_storage(producer, model, plain, 
                    "prompts": PROMPTS, "steps": [["generate", "g"], ["status"]]})
     (step,) = generated(res)
     assert step["outputs"] == plain["g"]["outputs"]
-    assert min(served_share(step, GROUPS)) >= 0.9, step["cached"]
     stats = status_of(res)["stats"]
+    assert min(served_share(step, GROUPS)) >= 0.9, (step["cached"], stats["storage"])
     # every block from storage, a group's head loaded once (the others then
     # hit it in vLLM's prefix cache)
     assert stats["hit_tokens"]["storage"] >= 0.9 * sum(
