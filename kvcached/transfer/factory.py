@@ -10,5 +10,5 @@ def make_transfer(cfg: CacheConfig, run_dir) -> Transfer:
     if cfg.transfer_mode == "inprocess":
         from kvcached.transfer.inprocess import InProcessTransfer
         return InProcessTransfer(cfg, run_dir)
-    from kvcached.transfer.workers import WorkerTransfer
+    from kvcached.transfer.coordinator import WorkerTransfer
     return WorkerTransfer(cfg, run_dir)

@@ -3,7 +3,7 @@
 Real processes over real ipc sockets. A worker's DEALER uses IMMEDIATE, with
 which ZeroMQ discards what it received but has not read yet when the
 connection goes; replying and then closing at once lost the reply in about a
-fifth of the tries on a busy machine (tests/transfer/test_workers.py's refused worker
+fifth of the tries on a busy machine (tests/transfer/test_coordinator.py's refused worker
 then never exited).
 """
 

@@ -10,7 +10,7 @@
  * without msgpack-python's generic unpack and the Python checks after it.
  *
  * The Python path stays the reference (kvcached/transfer/protocol.py,
- * worker.py, workers.py): it accepts a superset of these frames and words
+ * worker.py, coordinator.py): it accepts a superset of these frames and words
  * every error. A frame is taken here only if protocol.quick_wire takes it,
  * with the same fields; anything else returns None, having touched nothing,
  * and the Python path decides. The tests check this on canonical, crafted
