@@ -9,8 +9,9 @@ most ``max_blocks`` blocks, the ids in range) it copies the blocks and
 returns the Done frame to send, byte-identical to what the Python path
 (``Worker.execute`` + ``protocol.encode_done``) sends; for any other frame
 it returns None, having touched nothing, and the Python path handles it.
-At TP=4 a worker spends 29-31 us of user CPU per 1-block task on this path
-(0.39 us of it in this call, warm), 73-91 us on the Python path.
+A small swap then costs the worker one native call instead of a msgpack
+decode, a task object and an encode in Python: less than half the worker's
+CPU time per task (docs/benchmarks.md, transfer).
 
 ``swap_server`` returns None, and every task takes the Python path, when
 the engine is not the CPU copy engine (the CUDA engine, or no engine).
