@@ -308,3 +308,6 @@ def test_bench_vllm_quick():
     step = out["scheduler_step_us"]  # the scheduler's time in kvcached, from status
     assert step["steps"] > 0 and 0 < step["p50"] <= step["p99"] <= step["max"]
     assert out["cpu_hit_vs_own_hit_spread"]["pairs"] == 4  # 2 prompts x 2 rounds
+    # each storage hit in the new process beside vLLM's own hit right after it
+    assert out["storage_hit_vs_own_hit_spread"]["pairs"] == 2
+    assert 0 < out["storage_own_hit_ttft_s"] and math.isfinite(out["storage_hit_vs_own_hit"])

@@ -4,7 +4,10 @@ engine-core process.
 vLLM keeps its GPU tier (its block pool, its prefix cache, its block ids);
 kvcached's ``CacheManager`` (with ``external_gpu_tier``) holds the CPU tier
 and storage for this model and drives the transfer workers. No hook waits
-on I/O or on a worker: vLLM's scheduler never stalls on kvcached.
+on I/O or on a worker while vLLM has work: vLLM's scheduler never stalls on
+kvcached. (A step with nothing scheduled, which vLLM follows at once with the
+next, waits up to ``IDLE_WAIT_S`` for the oldest lookup or load in flight;
+see ``_wait_idle``.)
 
 - ``get_num_new_matched_tokens``: how many tokens past vLLM's own hit the
   CPU tier, then storage, hold (block-aligned; at least one prompt token is
@@ -77,6 +80,12 @@ class Lookup:
     index: int = 0  # this lookup's run in its task
     deadline: float = float("inf")
     found: int | None = None
+
+
+# How long a step with nothing scheduled waits for kvcached's work in flight:
+# a lookup or a small load lands within it; a new request waits at most this
+# long to be seen.
+IDLE_WAIT_S = 0.001
 
 
 @dataclass
@@ -381,7 +390,28 @@ class SchedulerHalf:
         self._poll_saves()
         done, bad = self._poll_loads(with_failed=True)
         sent, self.sent = self.sent, set()
+        if not scheduler_output.total_num_scheduled_tokens:
+            self._wait_idle()
         return done, bad, sent
+
+    def _wait_idle(self) -> None:
+        """Nothing runs in this step and vLLM steps again at once. A loop that
+        spins holds the GIL, and the coordinator's IO thread in this process
+        gets it for each message only when the interpreter switches threads
+        (every 5 ms): a storage hit, a lookup and a load, waited tens of ms.
+        Such a step instead waits, the GIL released, up to ``IDLE_WAIT_S``
+        for the oldest lookup or load in flight; the next step sees it land."""
+        for t in self.reqs.values():
+            lk = t.lookup
+            if lk is not None and lk.found is None and lk.handle is not None \
+                    and not lk.handle.done():
+                lk.handle.wait(IDLE_WAIT_S)
+                return
+            for load in t.loads:
+                for part in load.parts:
+                    if part.batch is not None and not part.batch.done():
+                        part.batch.wait(IDLE_WAIT_S)
+                        return
 
     def update_output(self, output) -> None:
         """After a step: completed loads and saves go straight to vLLM."""
