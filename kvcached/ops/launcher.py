@@ -14,7 +14,7 @@ foreground:
   for the next engine), with an exponential backoff capped at
   ``max_backoff_s`` after a crash; ``max_restarts`` consecutive crashes of a
   rank stop the whole group with an error, so a service manager notices
-  (the rule of ``kvcached.transfer.restarts``, which the engine's own
+  (the rule of ``kvcached.transfer.supervisor``, which the engine's own
   coordinator follows too);
 - SIGINT or SIGTERM stops the group: terminate, wait, kill.
 
@@ -26,7 +26,6 @@ without cleaning up.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -38,20 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcached.config import CacheConfig
-from kvcached.transfer.restarts import (
+from kvcached.transfer.supervisor import (
     STABLE_S,
     backoff_s,
     count_crash,
     may_restart,
-    worker_command,
-    worker_env,
+    spawn_worker,
 )
 from kvcached.transfer.worker import EXIT_REFUSED
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
 
 @dataclass
 class _Rank:
@@ -153,13 +148,11 @@ class Launcher:
     def _spawn(self, r: _Rank) -> None:
         if r.proc is not None:
             r.restarts += 1
-        cmd = worker_command(r.rank, self.run_dir, "--restarts", str(r.restarts))
+        args = ["--restarts", str(r.restarts)]
         if self.config_path:
-            cmd += ["--config", str(self.config_path)]
-        with open(self.log_dir / f"worker-rank{r.rank}.stderr", "ab") as err:
-            r.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=err, start_new_session=True, env=worker_env(),
-                                      preexec_fn=_die_with_parent(os.getpid()))
+            args += ["--config", str(self.config_path)]
+        r.proc = spawn_worker(r.rank, self.run_dir, self.log_dir, *args,
+                              detach_from=os.getpid())
         r.started_at = time.monotonic()
         logger.info("launcher: rank %d started as pid %d (restart %d)", r.rank, r.proc.pid,
                     r.restarts)
@@ -187,22 +180,6 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         proc.send_signal(sig)
     except ProcessLookupError:
         pass
-
-
-def _die_with_parent(parent_pid: int):
-    """A preexec_fn: the child gets SIGTERM when the launcher dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_pdeathsig() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(0)
-
-    return set_pdeathsig
 
 
 def _engine_config(run_dir: str | None) -> CacheConfig:

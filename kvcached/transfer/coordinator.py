@@ -14,7 +14,7 @@ it is silent for ``worker_timeout_s``, or when it leaves a task unanswered
 past ``task_timeout_s``. Every task in flight on it then fails with
 ``lost=True`` (WorkerLost), the process is killed so that no late copy can
 land in a block that was rolled back, and it is restarted with backoff
-(``kvcached.transfer.restarts``, the rule ``kvcached launch`` follows too).
+(``kvcached.transfer.supervisor``, the rule ``kvcached launch`` follows too).
 A rank that crashes ``max_worker_restarts`` times in a row (a worker ready
 for ``worker_stable_s`` starts the count over) gives up: ``healthy`` turns
 False and the manager switches its CPU tier off, until
@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import select
-import signal
 import subprocess
 import threading
 import time
@@ -51,12 +50,13 @@ from kvcached.transfer.base import Transfer
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
 from kvcached.transfer.fastpath import done_parser
 from kvcached.transfer.peers import PeerTracker
-from kvcached.transfer.restarts import (
+from kvcached.transfer.supervisor import (
     backoff_s,
     count_crash,
+    kill_pid,
     may_restart,
-    worker_command,
-    worker_env,
+    spawn_worker,
+    stop_process,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class _WorkerState:
     lost_reason: str = ""
     last_seen: float = 0.0
     restarts: int = 0  # since the engine started
-    crashes: int = 0  # consecutive (kvcached.transfer.restarts)
+    crashes: int = 0  # consecutive (kvcached.transfer.supervisor)
     ready_at: float = 0.0
     restart_at: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -199,7 +199,7 @@ class WorkerTransfer(Transfer):
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         for w in self.workers:
-            _stop_process(w.proc, grace_s=3.0)
+            stop_process(w.proc, grace_s=3.0)
         for h in self._drain_outbox() + self._held:  # nothing is left waiting
             h.complete(TaskResult(h.task.task_id, False, "transfer closed"))
         self._held.clear()
@@ -408,7 +408,7 @@ class WorkerTransfer(Transfer):
         if problem:
             logger.error("coordinator: refused rank %d: %s", w.rank, problem)
             w.state, w.lost_reason, w.restart_at = "failed", problem, None
-            _stop_process(w.proc, grace_s=1.0)
+            stop_process(w.proc, grace_s=1.0)
             with self._ready_cv:
                 self._ready_cv.notify_all()
             return
@@ -486,9 +486,9 @@ class WorkerTransfer(Transfer):
         # the manager is about to roll back and hand out again. A worker we did
         # not spawn (`kvcached launch`) is killed by pid; its launcher restarts it.
         if w.proc is not None:
-            _stop_process(w.proc, grace_s=0.0)
+            stop_process(w.proc, grace_s=0.0)
         elif w.pid:
-            _kill_pid(w.pid)
+            kill_pid(w.pid)
         for inf in list(self._inflight.values()):
             self._rank_answered(inf, rank, False, f"worker lost: {reason}", lost=True)
         if not self.cfg.spawn_workers:
@@ -509,12 +509,8 @@ class WorkerTransfer(Transfer):
             self._ready_cv.notify_all()
 
     def _spawn(self, w: _WorkerState) -> None:
-        cmd = worker_command(w.rank, self.run_dir, "--engine-pid", str(os.getpid()),
-                             "--restarts", str(w.restarts))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        w.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env(),
-                                  stdout=subprocess.DEVNULL,
-                                  stderr=open(self.log_dir / f"worker-rank{w.rank}.stderr", "ab"))
+        w.proc = spawn_worker(w.rank, self.run_dir, self.log_dir, "--engine-pid",
+                              str(os.getpid()), "--restarts", str(w.restarts))
         w.last_seen = time.monotonic()
         w.state, w.ready_at = "starting", 0.0  # a crash before ready counts as instant
         logger.info("coordinator: spawned rank %d as pid %d", w.rank, w.proc.pid)
@@ -616,28 +612,3 @@ def _runtime_config(cfg: CacheConfig, op: str, args: dict[str, Any]) -> CacheCon
     if op == "attach_storage":
         return cfg.replace(storage_backend=args.get("backend"), storage_url=args.get("url", ""))
     return cfg.replace(storage_backend=None)
-
-
-def _kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:
-    """terminate -> wait -> kill; a zero grace kills at once."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        if grace_s > 0:
-            proc.terminate()
-            try:
-                proc.wait(timeout=grace_s)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-        proc.kill()
-        proc.wait(timeout=5.0)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass

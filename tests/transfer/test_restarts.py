@@ -15,7 +15,7 @@ from helpers import wait_for
 from kvcached import CacheManager
 from kvcached.ops.cli import main
 from kvcached.transfer.coordinator import WorkerTransfer
-from kvcached.transfer.restarts import backoff_s, count_crash, may_restart
+from kvcached.transfer.supervisor import backoff_s, count_crash, may_restart
 
 STABLE_S = 3.0
 FAST = dict(transfer_mode="workers", heartbeat_interval_s=0.1, worker_timeout_s=1.5,

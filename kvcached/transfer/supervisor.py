@@ -1,6 +1,6 @@
-"""How a transfer worker process is started, and when it is restarted after a
+"""How a transfer worker process is started, stopped, and restarted after a
 crash: one rule for the engine's coordinator (spawned workers) and for
-``kvcached launch``.
+``kvcached launch`` (``ops/launcher.py``); each watches its own processes.
 
 A worker runs this interpreter and this copy of kvcached: ``-P`` keeps the
 worker's current directory off the front of ``sys.path`` (a kvcached checkout
@@ -17,7 +17,10 @@ doubles with the count, up to a cap.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,3 +63,63 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_HOME, env.get("PYTHONPATH")) if p)
     return env
+
+
+def spawn_worker(rank: int, run_dir, log_dir: Path, *args: str,
+                 detach_from: int | None = None) -> subprocess.Popen:
+    """Start rank ``rank``'s worker (``args``: more options), its stderr appended
+    to ``log_dir/worker-rank{rank}.stderr``. ``detach_from``: the pid of a
+    supervising process; the worker then runs in a session of its own (a
+    terminal's Ctrl-C reaches the supervisor only, which stops it in order)
+    and gets SIGTERM from the kernel if that process dies."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"worker-rank{rank}.stderr", "ab") as err:
+        return subprocess.Popen(
+            worker_command(rank, run_dir, *args), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=err, env=worker_env(),
+            start_new_session=detach_from is not None,
+            preexec_fn=_die_with(detach_from) if detach_from is not None else None)
+
+
+def stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:
+    """terminate -> wait ``grace_s`` -> kill; a zero grace kills at once."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        if grace_s > 0:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()
+        proc.wait(timeout=5.0)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+
+
+def kill_pid(pid: int) -> None:
+    """SIGKILL a process this one did not start (a worker of ``kvcached launch``)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent_pid: int):
+    """A preexec_fn: the child gets SIGTERM when ``parent_pid`` dies (Linux only)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def set_pdeathsig() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(0)
+
+    return set_pdeathsig
