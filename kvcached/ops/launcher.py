@@ -48,6 +48,7 @@ from kvcached.transfer.worker import EXIT_REFUSED
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Rank:
     rank: int
