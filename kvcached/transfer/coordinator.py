@@ -93,10 +93,19 @@ class _WorkerState:
     ready_at: float = 0.0
     restart_at: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    # Its first heartbeat since the hello arrived: the worker sends it once it
+    # has attached the KV planes, the host pool and storage. Tasks go to a
+    # ready worker before that (they wait in its socket); start() waits for
+    # it, so an engine's first tasks do not wait for the attach.
+    attached: bool = False
 
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def serving(self) -> bool:
+        return self.ready and self.attached
 
 
 @dataclass
@@ -177,13 +186,14 @@ class WorkerTransfer(Transfer):
     def _wait_all_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with self._ready_cv:
-            while not all(w.ready for w in self.workers):
+            while not all(w.serving for w in self.workers):
                 left = deadline - time.monotonic()
                 dead = [w.rank for w in self.workers if w.state == "failed"]
                 if left <= 0 or dead:
-                    missing = [w.rank for w in self.workers if not w.ready]
-                    reasons = "; ".join(f"rank {w.rank}: {w.lost_reason or 'no hello'}"
-                                        for w in self.workers if not w.ready)
+                    missing = [w.rank for w in self.workers if not w.serving]
+                    reasons = "; ".join(
+                        f"rank {w.rank}: {w.lost_reason or ('no hello' if not w.ready else 'not attached')}"
+                        for w in self.workers if not w.serving)
                     self.close()
                     raise TimeoutError(
                         f"transfer workers for ranks {missing} did not come up within "
@@ -387,6 +397,10 @@ class WorkerTransfer(Transfer):
             self._on_hello(w, msg)
         elif isinstance(msg, P.Heartbeat):
             w.info = msg.info
+            if w.ready and not w.attached:
+                w.attached = True
+                with self._ready_cv:
+                    self._ready_cv.notify_all()
         elif isinstance(msg, P.ErrorReply):
             logger.warning("coordinator: rank %d says %s", rank, msg.error)
 
@@ -415,6 +429,7 @@ class WorkerTransfer(Transfer):
         if w.ready and msg.pid != w.pid:  # restarted before we noticed the old one die
             self._lose(w.rank, f"replaced by pid {msg.pid}")
         w.pid, w.state, w.lost_reason = msg.pid, "ready", ""
+        w.attached = False  # until its first heartbeat
         w.ready_at = time.monotonic()
         logger.info("coordinator: rank %d ready (pid %d, restart %d)", w.rank, msg.pid,
                     msg.restarts)
@@ -594,10 +609,10 @@ class WorkerTransfer(Transfer):
         return {"changed": bool(restarted), "restarted": restarted}
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """Wait until every rank is ready again (e.g. after a restart)."""
+        """Wait until every rank is ready and attached again (e.g. after a restart)."""
         deadline = time.monotonic() + timeout_s
         with self._ready_cv:
-            while not all(w.ready for w in self.workers):
+            while not all(w.serving for w in self.workers):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

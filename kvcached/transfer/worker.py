@@ -280,6 +280,10 @@ class Worker(WorkerControl):
             self._adopt_runtime_config()
             self.open_executor(self.cfg.worker_start_timeout_s)
             self._ready = True
+            # the first heartbeat tells the coordinator we attached: its start()
+            # returns then, not before the tasks queued meanwhile could run
+            self._send(sock, self._heartbeat().encode())
+            self._last_hb = time.monotonic()
         elif verdict == "stop":
             return 0
         elif verdict == "refused":

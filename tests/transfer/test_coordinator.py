@@ -514,3 +514,38 @@ def test_a_pause_waits_until_the_copies_dones_went_out(tmp_path):
     assert returned.wait(10)
     waiter.join(5)
     assert w.lanes["in"].outstanding == 0 and w._owed == 0 and w.wait_idle(0)
+
+
+def test_start_returns_once_every_worker_attached(tmp_path):
+    """A worker attaches (the engine's KV planes, the host pool, storage) after
+    the coordinator accepted its hello; start() returns only after that, so the
+    engine's first tasks never wait for an attach (a fresh vLLM's first storage
+    lookups did, past their deadline). Here the engine exports its planes only
+    once the worker's hello was accepted: start() must return after that."""
+    from kvcached.memory import kvshare
+    from kvcached.memory.shared_alloc import shared_empty
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = tiny_config(**{**FAST, "run_dir": str(run), "external_gpu_tier": True,
+                         "create_cache": False, "num_cpu_blocks": 8, "fused_kv": True})
+    mgr = CacheManager(cfg)
+    exported = threading.Event()
+    hold = []
+
+    def engine_exports_late() -> None:
+        wait_for(lambda: mgr._transfer is not None
+                 and all(w.ready for w in mgr._transfer.workers), 60, "the worker's hello")
+        buf, region = shared_empty((1, 8, 1, 4, 8), torch.float32, "test-late-export")
+        hold.append(region)  # the planes stay mapped while the manager runs
+        kvshare.export_kv_cache(list(buf.unbind(0)), 0, str(run))
+        exported.set()
+
+    th = threading.Thread(target=engine_exports_late)
+    th.start()
+    try:
+        mgr.start()
+        assert exported.is_set(), "start() returned before the worker could attach"
+        assert all(w.attached for w in mgr._transfer.workers)
+    finally:
+        th.join()
+        mgr.close()

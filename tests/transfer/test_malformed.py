@@ -404,7 +404,10 @@ def test_coordinator_refuses_bad_numbers_from_its_own_rank_and_keeps_serving(sho
                           num_host_blocks=8).encode())
         ready = dealer_recv(sock)
         assert isinstance(ready, P.Ready) and ready.ok, ready
+        # as a worker does once it attached: start() returns on it
+        sock.send(P.Heartbeat("rank-0", 1, time.time(), {}).encode())
         starter.join(30)
+        assert not starter.is_alive(), "start() did not return after the rank's heartbeat"
         h = mgr.transfer.submit(Task("noop", [], []))
         sent = dealer_recv(sock)
         assert isinstance(sent, P.Task) and sent.task_id == h.task.task_id
