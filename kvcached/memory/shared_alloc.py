@@ -8,7 +8,8 @@ a connector choose the memory its KV cache is allocated in
 ``torch.zeros`` / ``torch.empty`` is served from a memory file of its own
 (``memfd_create``) mapped shared, instead of from the process's allocator.
 Nothing else in the process changes: no allocator setting, no mapping
-replaced. The file is zero-filled by the kernel; a transfer worker maps it
+replaced. The file's memory is allocated (zeroed) and mapped populated at
+once, as kvcached.memory.shm does for its segments; a transfer worker maps it
 through ``/proc/<pid>/fd/<fd>``, and it disappears with the process, so an
 engine that dies leaves nothing behind. A memory file is not limited by the
 size of /dev/shm.
@@ -49,7 +50,8 @@ def shared_empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.d
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        raw = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+        shm.allocate(fd, size, name, "lower vLLM's KV cache size (--kv-cache-memory-bytes)")
+        raw = shm.map_shared(fd, size)
     except BaseException:
         os.close(fd)
         raise

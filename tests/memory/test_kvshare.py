@@ -8,8 +8,11 @@ peer interpreter that runs scripts on request (one torch import for the file).
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
+import resource
 import select
 import shutil
 import subprocess
@@ -248,6 +251,45 @@ def test_segment_create_open_errors(shm_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"needs 64\.0 MiB but only 1\.0 MiB.*lower num_gpu_blocks"):
         kvshare.allocate_kv_cache(BIG_LAYOUT, BIG_BLOCKS, rank=0, run_dir=tmp_path)
     assert sorted(p.name for p in shm_dir.iterdir()) == [name]
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _touch_every_page(t: torch.Tensor) -> None:
+    t.view(-1, mmap.PAGESIZE)[:, 0] += 1
+
+
+def test_segments_are_allocated_at_creation_and_mapped_populated(shm_dir, tmp_path):
+    """A first touch of a page is a page fault: a copy into never-touched blocks
+    ran at a quarter of memory speed. The segment's memory is allocated when it
+    is created, and every process maps it with its pages in place."""
+    nbytes, pages = 16 << 20, (16 << 20) // mmap.PAGESIZE
+    name = shm.segment_name(os.getpid(), shm.run_id(tmp_path), 0, "pool")
+    created = shm.create_shm_tensor(name, (nbytes,), torch.uint8)
+    assert os.stat(shm_dir / name).st_blocks * 512 >= nbytes  # not a sparse file
+    before = _minor_faults()
+    _touch_every_page(created)
+    assert _minor_faults() - before < pages // 8
+    opened = shm.open_shm_tensor(name, (nbytes,), torch.uint8)
+    before = _minor_faults()
+    _touch_every_page(opened)
+    assert _minor_faults() - before < pages // 8
+    assert int(created.view(-1, mmap.PAGESIZE)[:, 0].sum()) == 2 * pages  # one memory
+
+
+def test_a_segment_without_memory_is_an_error_at_creation(shm_dir, tmp_path, monkeypatch):
+    """tmpfs full after the free-space check (another process took it): the
+    allocation fails, the error names the fix, and no file is left behind."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ValueError, match=r"needs 1\.0 MiB but the memory could not be "
+                                         r"allocated: lower num_cpu_blocks"):
+        HostPool.create(tmp_path, 0, 4, 256 << 10)
+    assert list(shm_dir.iterdir()) == []
 
 
 def test_cuda_paths_need_hook(shm_dir, tmp_path, monkeypatch):
