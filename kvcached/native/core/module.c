@@ -2084,7 +2084,7 @@ static PyModuleDef_Slot module_slots[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_core", "The kvcached cache core (see kvcached/core/native/core.h).",
+    PyModuleDef_HEAD_INIT, "_core", "The kvcached cache core (see kvcached/native/core/core.h).",
     sizeof(module_state),  module_methods, module_slots, module_traverse, module_clear, NULL,
 };
 
