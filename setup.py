@@ -43,8 +43,9 @@ CORE_DIR = "kvcached/native/core"
 core = Extension(
     "kvcached.core._core",
     sources=[f"{CORE_DIR}/{f}.c"
-             for f in ("module", "table", "pool", "lru", "policy", "hashing", "ops")],
-    depends=[f"{CORE_DIR}/{f}.h" for f in ("core", "hashing", "blake2b")],
+             for f in ("module", "type_core", "type_request", "type_policy", "hashing_module",
+                       "convert", "tokens", "table", "pool", "lru", "policy", "hashing", "ops")],
+    depends=[f"{CORE_DIR}/{f}.h" for f in ("module", "core", "hashing", "blake2b")],
     extra_compile_args=CFLAGS,
 )
 
