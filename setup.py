@@ -46,7 +46,10 @@ core = Extension(
              for f in ("module", "type_core", "type_request", "type_policy", "hashing_module",
                        "convert", "tokens", "table", "pool", "lru", "policy", "hashing", "ops")],
     depends=[f"{CORE_DIR}/{f}.h" for f in ("module", "core", "hashing", "blake2b")],
-    extra_compile_args=CFLAGS,
+    # Only PyInit__core is exported: the files' shared functions (parse_args,
+    # core_free, ...) can then neither clash with nor be interposed by another
+    # library's symbols of the same names, and calls between files skip the PLT.
+    extra_compile_args=[*CFLAGS, "-fvisibility=hidden"],
 )
 
 cpu_copy = Extension(
