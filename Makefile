@@ -14,7 +14,8 @@ VLLM_STAMP := $(VENV)/.vllm
 venv: $(STAMP)
 
 # setup.py compiles the native code at install: a changed C source reinstalls.
-NATIVE  := setup.py $(wildcard kvcached/*/native/*.c kvcached/*/native/*.h)
+# Every C source and header in a native folder of the package, at any depth.
+NATIVE  := setup.py $(shell find kvcached -path '*native*' -name '*.[ch]')
 
 $(STAMP): pyproject.toml $(NATIVE)
 	test -x $(VPY) || $(PY) -m venv $(VENV)

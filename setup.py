@@ -1,14 +1,16 @@
 """Native extensions, compiled at install (``pip install .``; ``make`` does it).
 
-Everything else about the package is in pyproject.toml. Three extensions:
+Everything else about the package is in pyproject.toml. The native sources
+live under ``kvcached/native/``: ``core/`` for the cache core, ``cuda/`` for
+the CUDA sources a built package ships. Three extensions:
 
-- ``kvcached.core._core``, the cache core. It uses the public, documented C
-  API only, but not only the limited API: reading a token list's items in
-  place (``PyList_GET_ITEM``) instead of through a call per token is ~20% of a
-  resident request (measured: docs/benchmarks.md), more than one abi3 binary
-  is worth, so it is built per interpreter (3.11 and up; on a free-threaded
-  build the module declares it needs no GIL: every call into it holds the
-  manager's lock).
+- ``kvcached.core._core``, the cache core (``kvcached/native/core/``). It
+  uses the public, documented C API only, but not only the limited API:
+  reading a token list's items in place (``PyList_GET_ITEM``) instead of
+  through a call per token is ~20% of a resident request (measured:
+  docs/benchmarks.md), more than one abi3 binary is worth, so it is built per
+  interpreter (3.11 and up; on a free-threaded build the module declares it
+  needs no GIL: every call into it holds the manager's lock).
 - ``kvcached.copy._cpu_copy``, the CPU copy engine: a plain C library
   (``cpu_copy.c``, no Python headers) that kvcached.copy.cpu calls through
   ctypes, which releases the GIL for every call. ``cpu_copy_module.c`` only
@@ -21,7 +23,7 @@ message that names the fix: there is no slower fallback to hide it.
 
 The CUDA copy library is not built here (most machines have no nvcc): its
 sources stay in ``cuda/`` (where the project keeps CUDA code) and ``build_py``
-copies them into the package (``kvcached/copy/cuda_src/``), so a wheel
+copies them into the package (``kvcached/native/cuda/``), so a wheel
 carries them and kvcached.cuda_lib builds them with nvcc where it is. An
 editable install reads them from the checkout's ``cuda/``.
 """
@@ -37,12 +39,17 @@ from setuptools.command.build_py import build_py as _build_py
 
 CFLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror"]
 
+CORE_DIR = "kvcached/native/core"
 core = Extension(
     "kvcached.core._core",
-    sources=[f"kvcached/core/native/{f}.c"
-             for f in ("module", "table", "pool", "lru", "policy", "hashing", "ops")],
-    depends=[f"kvcached/core/native/{f}.h" for f in ("core", "hashing", "blake2b")],
-    extra_compile_args=CFLAGS,
+    sources=[f"{CORE_DIR}/{f}.c"
+             for f in ("module", "type_core", "type_request", "type_policy", "hashing_module",
+                       "convert", "tokens", "table", "pool", "lru", "policy", "hashing", "ops")],
+    depends=[f"{CORE_DIR}/{f}.h" for f in ("module", "core", "hashing", "blake2b")],
+    # Only PyInit__core is exported: the files' shared functions (parse_args,
+    # core_free, ...) can then neither clash with nor be interposed by another
+    # library's symbols of the same names, and calls between files skip the PLT.
+    extra_compile_args=[*CFLAGS, "-fvisibility=hidden"],
 )
 
 cpu_copy = Extension(
@@ -60,7 +67,7 @@ swap_wire = Extension(
 
 # The CUDA sources, from the checkout's cuda/ into the package.
 CUDA_SOURCES = ("cuda/kv_copy.cu", "cuda/kv_copy.h")
-CUDA_PACKAGE_DIR = ("kvcached", "copy", "cuda_src")
+CUDA_PACKAGE_DIR = ("kvcached", "native", "cuda")
 
 
 class build_ext(_build_ext):

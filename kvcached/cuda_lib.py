@@ -33,11 +33,11 @@ SOURCE_NAMES = ("kv_copy.cu", "kv_copy.h")
 
 
 def _source_dir() -> Path:
-    """Where the CUDA sources are: in the installed package (``cuda_src/``, put
-    there by setup.py's build_py), else in the checkout's ``cuda/`` (an
+    """Where the CUDA sources are: in the installed package (``native/cuda/``,
+    put there by setup.py's build_py), else in the checkout's ``cuda/`` (an
     editable install, or the source tree on sys.path)."""
     here = Path(__file__).resolve().parent
-    candidates = (here / "copy" / "cuda_src", here.parent / "cuda")
+    candidates = (here / "native" / "cuda", here.parent / "cuda")
     for d in candidates:
         if all((d / n).is_file() for n in SOURCE_NAMES):
             return d

@@ -8,7 +8,7 @@ requests apart that share tokens but not KV.
 
 The hashing itself is native (``kvcached.core._core``, BLAKE2b in C); the
 manager hashes a prompt inside the core, with the hash memo (see
-kvcached/core/native/hashing.h). ``block_hashes`` is the same chain for
+kvcached/native/core/hashing.h). ``block_hashes`` is the same chain for
 callers outside the manager (storage tools, trace replay, tests).
 """
 

@@ -1,4 +1,4 @@
-"""The hash memo (kvcached/core/native/hashing.h): a cached node remembers the
+"""The hash memo (kvcached/native/core/hashing.h): a cached node remembers the
 exact input its hash was computed from, and a prompt whose block has the same
 input under the same parent node takes the node's hash instead of running
 BLAKE2b. It must never change a hash: every test compares with the reference

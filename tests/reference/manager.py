@@ -1,5 +1,5 @@
 """The reference CacheManager (tests only): the Python loops over ``PyNode``s that
-the native core (kvcached/core/native) replaced, kept as the oracle the
+the native core (kvcached/native/core) replaced, kept as the oracle the
 differential tests compare the real manager with, step by step.
 
 CacheManager: the engine-side prefix cache over GPU and CPU tiers.

@@ -10,8 +10,9 @@
  * Files: table.c (nodes, children by hash, record memory), pool.c, lru.c (heaps, and
  * the leaf-set calls that pick the heap or the policy), policy.c (the adaptive
  * eviction policy), hashing.c (chained hashes and the memo), ops.c (every state
- * transition), module.c (the Python types). The transitions follow tests/reference/manager.py line by
- * line; the differential tests hold the two to the same results. */
+ * transition); module.h lists the files of the Python binding. The transitions
+ * follow tests/reference/manager.py line by line; the differential tests hold
+ * the two to the same results. */
 #ifndef KVC_CORE_H
 #define KVC_CORE_H
 
@@ -170,7 +171,7 @@ enum { POLICY_LRU = 0, POLICY_ADAPTIVE = 1 };
 enum { WB_NONE = 0, WB_REUSED = 1, WB_ALL = 2 };
 #define WB_HOLD_MAX 64 /* victims held for write-back at once: a burst never pins the tier */
 
-/* Eviction counters, in the order of EVICTION_NAMES (module.c). */
+/* Eviction counters, in the order of EVICTION_NAMES (type_core.c). */
 enum { EV_GPU_DROPPED, EV_CPU_DROPPED, EV_GPU_TO_CPU, EV_GPU_TO_CPU_BACKUP, EV_COUNT };
 
 /* KV events: a block became usable in, or left, a tier. */
