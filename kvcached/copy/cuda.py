@@ -4,7 +4,7 @@ The native side is ``cuda/kv_copy.cu`` (C API in ``cuda/kv_copy.h``): a copy
 kernel with no framework headers, a launcher that validates every input
 before its first CUDA call, and thin CUDA runtime helpers. The sources ship
 with the package (setup.py's build_py copies them into
-``kvcached/copy/cuda_src/``; an editable install reads the checkout's
+``kvcached/native/cuda/``; an editable install reads the checkout's
 ``cuda/``). It is built by ``nvcc`` (sm_80 + sm_90 + PTX, cudart linked
 statically so the library loads on a machine without libcudart or a driver)
 lazily on first use and cached by :mod:`kvcached.native_build`, or ahead

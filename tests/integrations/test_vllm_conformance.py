@@ -267,6 +267,23 @@ def test_a_producer_saves_and_never_loads(producer, plain):
     assert loads.get("submitted", 0) == 0, loads
 
 
+def test_a_producer_that_exits_at_once_leaves_every_block_in_storage(model, plain, tmp_path):
+    """The last step's blocks are saved when vLLM closes the connector: a
+    producer that prefills (one token each) and exits right away, with nothing
+    stepping again to land its saves, still writes every prompt to storage."""
+    store = tmp_path / "store"
+    run_app({"model": model, "role": "kv_producer", "max_tokens": 1,
+             "extra": kv_extra(tmp_path / "run1", storage_backend="file", storage_url=str(store)),
+             "prompts": PROMPTS, "steps": [["generate", "after"]]})
+    res = run_app({"model": model, "role": "kv_consumer",
+                   "extra": kv_extra(tmp_path / "run2", storage_backend="file",
+                                     storage_url=str(store)),
+                   "prompts": PROMPTS, "steps": [["generate", "after"]]})
+    (step,) = generated(res)
+    assert step["outputs"] == plain["after"]["outputs"]
+    assert min(served_share(step, AFTER)) >= 0.9, step["cached"]
+
+
 def test_a_fresh_consumer_gets_every_block_from_storage(producer, model, plain, tmp_path):
     """A fresh vLLM process (kv_consumer: it loads, never saves) on the
     producer's storage. All 16 requests look their blocks up at once; the three

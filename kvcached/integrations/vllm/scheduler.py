@@ -616,4 +616,25 @@ class SchedulerHalf:
         return done, bad
 
     def close(self) -> None:
-        self.mgr.close()
+        """Land the saves vLLM's last steps planned, then close the manager (it
+        waits for their writes to storage): without this, the blocks of a
+        process's last requests (a producer's last prompt) never reached the
+        CPU tier's write-through, for nothing steps again to land them."""
+        try:
+            self._drain_saves(time.monotonic() + self.move_wait_s)
+        finally:
+            self.mgr.close()
+
+    def _drain_saves(self, deadline: float) -> None:
+        """vLLM closes the connector after its model executor, between steps, so
+        no forward runs now. With one batch in flight (lag 1) the last step's
+        forward has finished, and every planned save copies computed blocks;
+        with two (async scheduling) the last step's may not have run, and only
+        the saves due by the usual rule go."""
+        self.step += 1 if self.lag == 1 else 0
+        self._run_saves()
+        for s in self.saving:
+            if s.save is not None and not s.save.handle.wait(max(0.0, deadline - time.monotonic())):
+                logger.warning("kvcached: closing with a save still in flight")
+                return
+        self._poll_saves()
