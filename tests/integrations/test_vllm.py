@@ -311,3 +311,27 @@ def test_bench_vllm_quick():
     # each storage hit in the new process beside vLLM's own hit right after it
     assert out["storage_hit_vs_own_hit_spread"]["pairs"] == 2
     assert 0 < out["storage_own_hit_ttft_s"] and math.isfinite(out["storage_hit_vs_own_hit"])
+
+
+BREAK_EVEN = Path(__file__).resolve().parents[2] / "scripts" / "bench_break_even.py"
+
+
+def test_bench_break_even_quick():
+    """The break-even benchmark's smoke run: every storage hit it times is
+    served whole (a fill process that exits right after its last prefill
+    leaves all of it in storage), and each recompute beside it computes."""
+    res = subprocess.run([sys.executable, str(BREAK_EVEN), "--quick", "--backends", "file"],
+                         capture_output=True, text=True, timeout=900, env=vllm_env())
+    assert res.returncode == 0, res.stderr[-5000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = out["backends"]["file"]["per_blocks"]
+    assert sorted(rows, key=int) == ["1", "4"]
+    assert all(r["blocks_served"] == 1.0 for r in rows.values()), rows
+    assert all(math.isfinite(r["storage_vs_recompute"]) for r in rows.values())
+    assert out["backends"]["file"]["break_even_blocks"] in (None, 1, 4)
+
+
+def test_bench_break_even_refuses_an_unknown_backend():
+    res = subprocess.run([sys.executable, str(BREAK_EVEN), "--backends", "s3"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--backends takes file and/or redis" in res.stderr
