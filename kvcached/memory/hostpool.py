@@ -50,6 +50,9 @@ class HostPool:
         owner_pid = os.getpid() if owner_pid is None else owner_pid
         _check_size(rank, num_blocks, block_bytes)
         name = cls.name_for(run_dir, rank, owner_pid)
+        if num_blocks * block_bytes >= 1 << 30:  # its memory comes now: ~0.5 s per GiB
+            logger.info("allocating the CPU tier of rank %d: %.1f GiB", rank,
+                        num_blocks * block_bytes / 2**30)
         tensor = shm.create_shm_tensor(name, (num_blocks, block_bytes), torch.uint8,
                                        hint="lower num_cpu_blocks")
         # The pool is never exported as KV planes; keep only our own reference.
