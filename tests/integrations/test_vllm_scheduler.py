@@ -2,7 +2,10 @@
 (``SchedulerHalf._wait_idle``): it sleeps, the GIL released, until the oldest
 lookup or load in flight lands, and never longer than ``IDLE_WAIT_S``; with
 nothing in flight it returns at once. (vLLM's own runs of it: the storage
-hits of tests/integrations/test_vllm_conformance.py and ``bench_vllm``.)"""
+hits of tests/integrations/test_vllm_conformance.py and ``bench_vllm``.) And
+what it does at close: the saves vLLM's last steps planned land first
+(``SchedulerHalf._drain_saves``; vLLM's own run of it: the producer that
+exits at once, in the conformance module)."""
 
 from __future__ import annotations
 
@@ -67,3 +70,66 @@ def test_the_wait_is_bounded_and_nothing_in_flight_returns_at_once(monkeypatch):
     half_with(lookup_handle=done)._wait_idle()  # landed already: nothing to wait for
     half_with()._wait_idle()  # nothing in flight
     assert time.monotonic() - t0 < 10.0
+
+
+class SavingManager:
+    """The manager calls a close drains saves through, recorded."""
+
+    def __init__(self):
+        self.saved, self.landed, self.closed = [], 0, False
+
+    def engine_save(self, batch):
+        from kvcached.core.manager import EngineSave
+        self.saved.append([blocks for _, blocks, _ in batch])
+        src = [i for _, blocks, ids in batch for i in ids[:blocks]]
+        h = TaskHandle(Task("swap_out", src, src), collections.deque())
+        h.complete(TaskResult(task_id=0, ok=True))
+        return EngineSave(handle=h)
+
+    def engine_finish_save(self, save):
+        self.landed += 1
+
+    def engine_cpu_prefix(self, creq, blocks):
+        return blocks, 0
+
+    def engine_release(self, creq):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def half_saving(lag: int) -> tuple[S.SchedulerHalf, SavingManager]:
+    """A finished request with one save planned at each of steps 1 and 2 (the last)."""
+    half = S.SchedulerHalf.__new__(S.SchedulerHalf)
+    half.mgr, half.lag, half.step = SavingManager(), lag, 2
+    half.events_on, half.block_pool, half.stats = False, None, S.observe.KvcachedStats()
+    half.move_wait_s, half.saving, half.sent, half.block_bytes = 5.0, [], set(), 64
+
+    class Request:
+        request_id, block_hashes = "r", [b"a", b"b", b"c", b"d"]
+    t = S.Tracked(request=Request(), creq=None, n_keys=4, saved=4, saves=2, finished=True,
+                  delayed=True)
+    half.reqs = {"r": t}
+    half.saves = collections.deque([S.SavePlan(1, "r", 2, [10, 11, 12, 13]),
+                                    S.SavePlan(2, "r", 4, [10, 11, 12, 13])])
+    return half, half.mgr
+
+
+def test_close_lands_the_last_steps_saves():
+    """No forward runs at close: with one batch in flight the last step's
+    forward has finished, so its saves go too, and each lands (its write to
+    storage starts there) before the manager closes."""
+    half, mgr = half_saving(lag=1)
+    half.close()
+    assert mgr.saved == [[2, 4]] and mgr.landed == 1 and mgr.closed
+    assert half.sent == {"r"}  # the request's saves are done
+
+
+def test_close_with_two_batches_in_flight_keeps_the_last_steps_saves():
+    """With async scheduling the last step's forward may not have run: its
+    blocks may hold nothing yet, so only the saves due by the usual rule go."""
+    half, mgr = half_saving(lag=2)
+    half.step = 3
+    half.close()
+    assert mgr.saved == [[2]] and mgr.closed
