@@ -137,7 +137,8 @@ class RankExecutor:
 
     def run(self, task: Task) -> dict[str, Any]:
         """Execute one task on this rank; returns {"bytes": n, ...} (the Done's
-        elapsed_s times it)."""
+        elapsed_s times it). ``task`` is a Task or, in a worker, the decoded
+        protocol Task: only its kind, src, dst and args are read."""
         try:
             return self._run(task)
         except Exception as e:
