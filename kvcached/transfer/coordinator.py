@@ -349,7 +349,7 @@ class WorkerTransfer(Transfer):
         inf = _Inflight(h, set(self._all_ranks), now, now + self.cfg.task_timeout_s)
         self._inflight[t.task_id] = inf
         try:
-            payload = P.Task(t.task_id, t.kind, t.src, t.dst, t.args).encode(self.limits)
+            payload = P.encode(P.Task(t.task_id, t.kind, t.src, t.dst, t.args), self.limits)
         except P.ProtocolError as e:  # e.g. an id outside the pools: never sent
             self._inflight.pop(t.task_id)
             h.complete(TaskResult(t.task_id, False, f"invalid task: {e}"))

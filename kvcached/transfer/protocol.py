@@ -694,6 +694,21 @@ def _check_swap_ids(kind: str, src: list[int], dst: list[int], limits: Limits) -
     _check_bound(dst, f"task {kind} dst", host if kind == "swap_out" else dev, dst_tier)
 
 
+def _id_bounds(kind: str, limits: Limits) -> tuple[int, int]:
+    """Exclusive upper bounds of a binary task's (src, dst) ids."""
+    if kind == "noop":
+        return _NO_BOUND, _NO_BOUND
+    dev, host = limits.num_device_blocks, limits.num_host_blocks
+    dev = _NO_BOUND if dev is None else dev
+    host = _NO_BOUND if host is None else host
+    return (dev, host) if kind == "swap_out" else (host, dev)
+
+
+_NO_BOUND = INT32_MAX + 1  # every int32 id fits
+_ONE_PAIR = struct.Struct("<ii")  # the ids of a one-block task
+_ONE_BLOCK_TASK = struct.Struct("<BBBBIqIIii")  # a one-block task frame, whole
+
+
 def _ids_fit(ids: Any, bound: int) -> bool:
     """``ids`` is a list of ints in [0, bound) (the common case, in C calls)."""
     if type(ids) is not list:
@@ -708,22 +723,21 @@ _INT_ONLY = {int}
 
 def _encode_binary_task(task: Task, limits: Limits) -> bytes:
     kind, task_id, src, dst, args = task.kind, task.task_id, task.src, task.dst, task.args
-    if kind == "noop":
-        src_bound = dst_bound = INT32_MAX + 1
-    else:
-        dev = INT32_MAX + 1 if limits.num_device_blocks is None else min(
-            limits.num_device_blocks, INT32_MAX + 1)
-        host = INT32_MAX + 1 if limits.num_host_blocks is None else min(
-            limits.num_host_blocks, INT32_MAX + 1)
-        src_bound, dst_bound = (dev, host) if kind == "swap_out" else (host, dev)
+    src_bound, dst_bound = _id_bounds(kind, limits)
     if (type(task_id) is int and 0 <= task_id <= INT64_MAX and type(args) is dict and not args
+            and type(src) is list and type(dst) is list
             and (kind == "noop" or len(src) == len(dst)) and len(src) <= limits.max_ids
-            and len(dst) <= limits.max_ids and _ids_fit(src, src_bound)
-            and _ids_fit(dst, dst_bound)):
+            and len(dst) <= limits.max_ids and _ids_fit(src, min(src_bound, _NO_BOUND))
+            and _ids_fit(dst, min(dst_bound, _NO_BOUND))):
         # The common task, checked in one pass; anything else (stamps included)
         # takes the checks below, which also word every refusal.
-        raw = TASK_HEADER.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_TASK, _KIND_CODE[kind],
-                               0, task_id, len(src), len(dst)) + _i32_bytes(src + dst)
+        if len(src) == 1 and len(dst) == 1:
+            raw = _ONE_BLOCK_TASK.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_TASK,
+                                       _KIND_CODE[kind], 0, task_id, 1, 1, src[0], dst[0])
+        else:
+            raw = TASK_HEADER.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_TASK,
+                                   _KIND_CODE[kind], 0, task_id, len(src),
+                                   len(dst)) + _i32_bytes(src + dst)
         stamps = ()
     else:
         try:
@@ -749,29 +763,35 @@ def _encode_binary_task(task: Task, limits: Limits) -> bytes:
     return raw
 
 
-def _encode_binary_done(msg: Done, limits: Limits) -> bytes:
-    task_id, rank, blocks, elapsed = msg.task_id, msg.rank, msg.blocks_done, msg.elapsed_s
-    nbytes, finished = msg.result["bytes"], msg.result["finished"]
-    if (type(task_id) is int and type(rank) is int and type(blocks) is int
-            and type(elapsed) is float and 0 <= task_id <= INT64_MAX and 0 <= rank <= MAX_RANK
-            and 0 <= blocks <= INT64_MAX and 0 <= nbytes <= INT64_MAX
-            and 0.0 <= elapsed <= MAX_SECONDS and 0.0 <= finished <= MAX_TIME):
+def encode_done(task_id: int, rank: int, blocks_done: int, elapsed_s: float, nbytes: int,
+                finished: float) -> bytes:
+    """The binary frame of ``Done(task_id, rank, True, "", blocks_done, elapsed_s,
+    {"bytes": nbytes, "finished": finished})``: what :func:`encode` gives for that
+    message (it calls this), without the message object, for a worker that
+    answers every swap with one. Raises :class:`ProtocolError` as encode does."""
+    if (type(task_id) is int and type(rank) is int and type(blocks_done) is int
+            and type(elapsed_s) is float and type(nbytes) is int and type(finished) is float
+            and 0 <= task_id <= INT64_MAX and 0 <= rank <= MAX_RANK
+            and 0 <= blocks_done <= INT64_MAX and 0 <= nbytes <= INT64_MAX
+            and 0.0 <= elapsed_s <= MAX_SECONDS and 0.0 <= finished <= MAX_TIME):
         return DONE_FRAME.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_DONE, 0, rank, task_id,
-                               blocks, nbytes, elapsed, finished)
-    try:  # the checks that word the refusal (an int elapsed_s passes as a float)
-        for attr, where, lo, hi in msg._RANGE_SPEC:
-            value = getattr(msg, attr)
-            (_check_float if attr == "elapsed_s" else _check_int)(value, where, limits)
-            _check_range(value, where, lo, hi)
-        _check_float(finished, "done.result['finished']", limits)
-        _check_range(finished, "done.result['finished']", 0.0, MAX_TIME)
-        _check_range(nbytes, "done.result['bytes']", 0, INT64_MAX)
+                               blocks_done, nbytes, elapsed_s, finished)
+    # The checks that word the refusal (an int elapsed_s passes, as a float).
+    try:
+        for value, where, lo, hi, check in (
+                (task_id, "done.task_id", 0, INT64_MAX, _check_int),
+                (rank, "done.rank", 0, MAX_RANK, _check_int),
+                (blocks_done, "done.blocks_done", 0, INT64_MAX, _check_int),
+                (elapsed_s, "done.elapsed_s", 0.0, MAX_SECONDS, _check_float),
+                (nbytes, "done.result['bytes']", 0, INT64_MAX, _check_int),
+                (finished, "done.result['finished']", 0.0, MAX_TIME, _check_float)):
+            _check_range(check(value, where, DEFAULT_LIMITS), where, lo, hi)
     except ProtocolError as exc:
         exc.kind = Done.KIND
         exc.task_id = task_id if type(task_id) is int and 0 <= task_id <= INT64_MAX else None
         raise
     return DONE_FRAME.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_DONE, 0, rank, task_id,
-                           blocks, nbytes, float(elapsed), finished)
+                           blocks_done, nbytes, float(elapsed_s), float(finished))
 
 
 def _decode_binary(raw: bytes, limits: Limits) -> Task | Done:
@@ -789,20 +809,6 @@ def _decode_binary(raw: bytes, limits: Limits) -> Task | Done:
         return _decode_binary_done(raw, size)
     raise ProtocolError(f"unknown binary message type {mtype}; expected {BINARY_TASK} (task) "
                         f"or {BINARY_DONE} (done)")
-
-
-def _id_bounds(kind: str, limits: Limits) -> tuple[int, int]:
-    """Exclusive upper bounds of a binary task's (src, dst) ids."""
-    if kind == "noop":
-        return _NO_BOUND, _NO_BOUND
-    dev, host = limits.num_device_blocks, limits.num_host_blocks
-    dev = _NO_BOUND if dev is None else dev
-    host = _NO_BOUND if host is None else host
-    return (dev, host) if kind == "swap_out" else (host, dev)
-
-
-_NO_BOUND = INT32_MAX + 1  # every int32 id fits
-_ONE_PAIR = struct.Struct("<ii")  # the ids of a one-block task
 
 
 def _decode_binary_task(raw: bytes, size: int, limits: Limits) -> Task:
@@ -926,7 +932,8 @@ def encode(msg: Message, limits: Limits | None = None) -> bytes:
     if cls is Task and type(msg.kind) is str and msg.kind in _KIND_CODE:
         return _encode_binary_task(msg, limits)
     if cls is Done and binary_done_shape(msg):
-        return _encode_binary_done(msg, limits)
+        return encode_done(msg.task_id, msg.rank, msg.blocks_done, msg.elapsed_s,
+                           msg.result["bytes"], msg.result["finished"])
     try:
         raw = msgpack.packb(_to_wire(msg, limits), use_bin_type=True)
     except ProtocolError as exc:
@@ -994,6 +1001,29 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
     refused: each message has exactly one encoding.
     """
     limits = limits or DEFAULT_LIMITS
+    size = len(raw) if type(raw) is bytes else -1
+    # The frames of every swap, read first and in place: they pass exactly when
+    # the full checks below would (anything else goes on to them, and they word
+    # the refusal). A one-block task and a done cost one struct read each.
+    if size == 48 and raw[0] == BINARY_MAGIC and size <= limits.max_frame_bytes:
+        m, v, t, pad, rank, task_id, blocks, nbytes, elapsed, finished = DONE_FRAME.unpack_from(
+            raw)
+        if (v == PROTOCOL_VERSION and t == BINARY_DONE and pad == 0 and task_id >= 0
+                and rank <= MAX_RANK and blocks >= 0 and nbytes >= 0
+                and 0.0 <= elapsed <= MAX_SECONDS and 0.0 <= finished <= MAX_TIME):
+            return Done(task_id, rank, True, "", blocks, elapsed,
+                        {"bytes": nbytes, "finished": finished})
+    elif size == 32 and raw[0] == BINARY_MAGIC and size <= limits.max_frame_bytes:
+        m, v, t, code, nstamps, task_id, nsrc, ndst, s, d = _ONE_BLOCK_TASK.unpack_from(raw)
+        if (v == PROTOCOL_VERSION and t == BINARY_TASK and nstamps == 0 and nsrc == 1
+                and ndst == 1 and task_id >= 0 and limits.max_ids and s >= 0 and d >= 0):
+            dev, host = limits.num_device_blocks, limits.num_host_blocks
+            if code == 1 and (dev is None or s < dev) and (host is None or d < host):
+                return Task(task_id, "swap_out", [s], [d], {})
+            if code == 2 and (host is None or s < host) and (dev is None or d < dev):
+                return Task(task_id, "swap_in", [s], [d], {})
+            if code == 3:
+                return Task(task_id, "noop", [s], [d], {})
     if type(raw) is not bytes:
         try:
             view = memoryview(raw)
@@ -1039,5 +1069,5 @@ __all__ = [
     "MAX_SECONDS", "MAX_STAMPS", "MAX_TIME", "MESSAGE_KINDS", "MIN_TIMEOUT_S",
     "PROTOCOL_VERSION", "TASK_HEADER", "TASK_KINDS", "CtlReply", "CtlRequest", "Done",
     "ErrorReply", "Heartbeat", "Hello", "Limits", "Message", "ProtocolError", "Ready",
-    "Shutdown", "Task", "binary_done_shape", "clip", "decode", "encode",
+    "Shutdown", "Task", "binary_done_shape", "clip", "decode", "encode", "encode_done",
 ]

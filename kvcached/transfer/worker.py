@@ -56,6 +56,7 @@ INLINE_MAX_BLOCKS = 8  # swaps up to this size run on the socket thread (microse
 CHORES_S = 0.01
 LANE_JOIN_S = 5.0  # at exit, lanes finishing a copy get this long in all (they are daemons)
 SEND_POLL_MS = 10  # a send with no room waits in slices this long, checking on the engine
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: pyzmq's IntFlag costs an enum operation per send
 # What can change while the engine runs (update_weights, attach/detach_storage).
 RUNTIME_FIELDS = ("weight_version", "storage_backend", "storage_url")
 
@@ -228,7 +229,7 @@ class Worker(WorkerControl):
         worker gives up (EngineGone) when the engine pid is gone or nothing
         could be delivered for engine_timeout_s."""
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            sock.send(frame, _NOBLOCK)
             return
         except zmq.Again:
             pass
@@ -236,7 +237,7 @@ class Worker(WorkerControl):
         while True:
             if sock.poll(SEND_POLL_MS, zmq.POLLOUT):
                 try:
-                    sock.send(frame, zmq.NOBLOCK)
+                    sock.send(frame, _NOBLOCK)
                     return
                 except zmq.Again:
                     pass
@@ -335,9 +336,14 @@ class Worker(WorkerControl):
                 result = self.control(task.args)
             else:
                 result = self.executor.run(task)
-            result["finished"] = time.monotonic()  # lets tests check per-lane order
-            frame = P.encode(P.Done(task_id, self.rank, True, "", len(task.src or task.dst),
-                                    time.perf_counter() - t0, result), self.limits)
+            finished = time.monotonic()  # lets tests check per-lane order
+            if len(result) == 1 and type(result.get("bytes")) is int:  # a swap's or a noop's
+                frame = P.encode_done(task_id, self.rank, len(task.src or task.dst),
+                                      time.perf_counter() - t0, result["bytes"], finished)
+            else:
+                result["finished"] = finished
+                frame = P.encode(P.Done(task_id, self.rank, True, "", len(task.src or task.dst),
+                                        time.perf_counter() - t0, result), self.limits)
             self.tasks_done += 1
             return frame
         except Exception as e:
