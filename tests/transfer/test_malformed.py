@@ -333,7 +333,7 @@ def test_worker_whose_coordinator_vanishes_exits_within_engine_timeout(short_dir
 COORD_GARBAGE = [
     np.random.default_rng(1).bytes(100),
     b"",
-    msgpack.packb({"v": 1, "kind": "teleport"}),
+    msgpack.packb({"v": P.PROTOCOL_VERSION, "kind": "teleport"}),
     P.Hello(rank=9, pid=1, protocol=P.PROTOCOL_VERSION, layout_digest="x",
             num_device_blocks=1, num_host_blocks=1).encode(),
     P.Done(1, 9, ok=True).encode(),
