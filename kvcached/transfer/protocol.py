@@ -626,7 +626,6 @@ TASK_HEADER = struct.Struct("<BBBBIqII")
 DONE_FRAME = struct.Struct("<BBBBIqqqdd")
 INT32_MAX = (1 << 31) - 1
 MAX_STAMPS = MAX_RANK + 1  # one (epoch, generation) pair per rank
-_DONE_KEYS = frozenset({"bytes", "finished"})
 _NATIVE_LE = sys.byteorder == "little"
 
 
@@ -705,7 +704,6 @@ def _id_bounds(kind: str, limits: Limits) -> tuple[int, int]:
 
 
 _NO_BOUND = INT32_MAX + 1  # every int32 id fits
-_ONE_PAIR = struct.Struct("<ii")  # the ids of a one-block task
 _ONE_BLOCK_TASK = struct.Struct("<BBBBIqIIii")  # a one-block task frame, whole
 
 
@@ -822,10 +820,6 @@ def _decode_binary_task(raw: bytes, size: int, limits: Limits) -> Task:
     kind = _KIND_OF.get(code)
     if kind is not None and task_id >= 0:
         src_bound, dst_bound = _id_bounds(kind, limits)
-        if size == head + 8 and nsrc == 1 and ndst == 1 and not nstamps:  # one block
-            s, d = _ONE_PAIR.unpack_from(raw, head)
-            if 0 <= s < src_bound and 0 <= d < dst_bound:
-                return Task(task_id, kind, [s], [d], {})
         ids_at = head + 16 * nstamps
         if (nsrc <= limits.max_ids and ndst <= limits.max_ids and nstamps <= MAX_STAMPS
                 and size == ids_at + 4 * (nsrc + ndst)):
@@ -1016,8 +1010,9 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
     elif size == 32 and raw[0] == BINARY_MAGIC and size <= limits.max_frame_bytes:
         m, v, t, code, nstamps, task_id, nsrc, ndst, s, d = _ONE_BLOCK_TASK.unpack_from(raw)
         if (v == PROTOCOL_VERSION and t == BINARY_TASK and nstamps == 0 and nsrc == 1
-                and ndst == 1 and task_id >= 0 and limits.max_ids and s >= 0 and d >= 0):
+                and ndst == 1 and task_id >= 0 and s >= 0 and d >= 0):
             dev, host = limits.num_device_blocks, limits.num_host_blocks
+            # the kind codes of BINARY_TASK_KINDS, spelled out (no lookup per task)
             if code == 1 and (dev is None or s < dev) and (host is None or d < host):
                 return Task(task_id, "swap_out", [s], [d], {})
             if code == 2 and (host is None or s < host) and (dev is None or d < dev):

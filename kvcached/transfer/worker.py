@@ -362,11 +362,11 @@ class Worker(WorkerControl):
     @staticmethod
     def _inline_ok(kind: str, n_ids: int, lane: Lane) -> bool:
         """Small copies and noops run on the socket thread when their lane is idle:
-        order within the lane is kept, and the two thread hand-offs are saved
-        (they are most of a small task's latency: without them the one-block
-        swap's round trip at TP=4 stays within 1.5x a raw ZeroMQ barrier,
-        docs/benchmarks.md). Big copies and control go to lanes so heartbeats
-        and the other direction keep flowing."""
+        order within the lane is kept, and a small task's round trip skips the
+        two thread hand-offs (a queue, then an inproc socket back, each waking
+        another thread), which cost more than decoding, copying and answering
+        it. Big copies and control go to lanes so heartbeats and the other
+        direction keep flowing."""
         if kind == "noop":
             return True
         small = kind in ("swap_out", "swap_in") and n_ids <= INLINE_MAX_BLOCKS

@@ -317,3 +317,34 @@ def test_encode_refuses_what_decode_refuses(value):
         encode(Done(3, 0, True, "", 1, 0.5, {"bytes": -1, "finished": 1.0}))
     assert math.isfinite(decode(encode(Done(3, 0, True, "", 1, 0, {"bytes": 0, "finished": 0.0})))
                          .elapsed_s)
+
+
+def outcome(raw, limits: Limits):
+    try:
+        return decode(raw, limits)
+    except ProtocolError as e:
+        return ("refused", e.task_id)
+
+
+some_ints = st.sampled_from([-1, 0, 1, 5, 9, 10, 19, 20, 25])
+some_floats = st.sampled_from([NAN, INF, -INF, -1.0, -0.0, 0.0, 0.5, MAX_SECONDS,
+                               MAX_SECONDS * 2, MAX_TIME, MAX_TIME * 2])
+
+
+@settings(FUZZ, max_examples=300)
+@given(st.sampled_from([1, 2]), st.integers(0, 4), st.integers(0, 1), st.sampled_from(
+    [-1, 0, 7, INT64_MAX]), st.integers(0, 2), st.integers(0, 2), some_ints, some_ints,
+    st.integers(0, 1), st.sampled_from([0, MAX_RANK, MAX_RANK + 1]), some_floats, some_floats,
+    st.sampled_from([None, Limits(), BOUNDED]))
+def test_the_one_read_path_agrees_with_the_general_checks(mtype, code, nstamps, task_id, nsrc,
+                                                          ndst, a, b, pad, rank, x, y, limits):
+    """decode reads a 32-byte task or a 48-byte done of a ``bytes`` frame in one
+    struct read; any other buffer takes the general checks. Both decide alike."""
+    if mtype == 1:  # 32 bytes whatever the header says
+        raw = struct.pack("<BBBBIqIIii", 0xC1, PROTOCOL_VERSION, 1, code, nstamps, task_id,
+                          nsrc, ndst, a, b)
+    else:
+        raw = struct.pack("<BBBBIqqqdd", 0xC1, PROTOCOL_VERSION, 2, pad, rank, task_id, a, b,
+                          x, y)
+    fast, general = outcome(raw, limits), outcome(bytearray(raw), limits)
+    assert repr(fast) == repr(general)
