@@ -2,7 +2,7 @@
 
 Everything else about the package is in pyproject.toml. The native sources
 live under ``kvcached/native/``: ``core/`` for the cache core, ``cuda/`` for
-the CUDA sources a built package ships. Three extensions:
+the CUDA sources a built package ships. Two extensions:
 
 - ``kvcached.core._core``, the cache core (``kvcached/native/core/``). It
   uses the public, documented C API only, but not only the limited API:
@@ -16,7 +16,6 @@ the CUDA sources a built package ships. Three extensions:
   ctypes, which releases the GIL for every call. ``cpu_copy_module.c`` only
   gives the file an (empty) ``PyInit__cpu_copy`` so setuptools builds it and
   the package finds it.
-- ``kvcached.transfer._swap_wire``, the workers' swap fast path.
 
 A missing C compiler or missing Python headers fail the install here, with a
 message that names the fix: there is no slower fallback to hide it.
@@ -57,12 +56,6 @@ cpu_copy = Extension(
     sources=["kvcached/copy/native/cpu_copy.c", "kvcached/copy/native/cpu_copy_module.c"],
     extra_compile_args=[*CFLAGS, "-pthread"],
     extra_link_args=["-pthread"],
-)
-
-swap_wire = Extension(
-    "kvcached.transfer._swap_wire",
-    sources=["kvcached/transfer/native/swap_wire.c"],
-    extra_compile_args=CFLAGS,
 )
 
 # The CUDA sources, from the checkout's cuda/ into the package.
@@ -122,5 +115,5 @@ class build_py(_build_py):
         return [*super().get_source_files(), *CUDA_SOURCES]
 
 
-setup(ext_modules=[core, cpu_copy, swap_wire],
+setup(ext_modules=[core, cpu_copy],
       cmdclass={"build_ext": build_ext, "build_py": build_py})

@@ -129,3 +129,30 @@ def own_pages_zeros(shape: tuple, dtype=None, offset: int = 64):
     mm = mmap.mmap(-1, offset + nbytes)
     # frombuffer keeps ``mm`` alive as long as the tensor
     return torch.frombuffer(mm, dtype=torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def binary_task_frame(task_id: int, kind_code: int, src, dst, stamps=(), *,
+                      version: int | None = None, mtype: int = 1, counts=None) -> bytes:
+    """A binary task frame built by hand, unchecked (for hostile-frame tests):
+    the layout of kvcached.transfer.protocol's docstring. ``counts`` overrides
+    the header's (stamp pairs, src, dst) counts."""
+    import struct
+
+    from kvcached.transfer import protocol as P
+    n_stamps, n_src, n_dst = counts or (len(stamps), len(src), len(dst))
+    flat = [x for pair in stamps for x in pair]
+    return (struct.pack("<BBBBIqII", 0xC1, P.PROTOCOL_VERSION if version is None else version,
+                        mtype, kind_code, n_stamps, task_id, n_src, n_dst)
+            + struct.pack(f"<{len(flat)}q", *flat)
+            + struct.pack(f"<{len(src) + len(dst)}i", *src, *dst))
+
+
+def binary_done_frame(task_id: int, rank: int = 0, blocks_done: int = 1, nbytes: int = 64,
+                      elapsed_s: float = 0.001, finished: float = 1.0, *,
+                      version: int | None = None, pad: int = 0) -> bytes:
+    """A binary done frame built by hand, unchecked (for hostile-frame tests)."""
+    import struct
+
+    from kvcached.transfer import protocol as P
+    return struct.pack("<BBBBIqqqdd", 0xC1, P.PROTOCOL_VERSION if version is None else version,
+                       2, pad, rank, task_id, blocks_done, nbytes, elapsed_s, finished)

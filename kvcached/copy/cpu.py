@@ -106,12 +106,6 @@ class CpuCopyEngine:
         """Payload bytes moved per block (all planes, without host padding)."""
         return self._bytes_per_block
 
-    def native_handles(self) -> tuple[int, int]:
-        """Addresses of the engine's C struct and of ``kvc_cpu_engine_copy``, for a
-        native caller that keeps this engine alive (kvcached.transfer.fastpath)."""
-        return (ctypes.addressof(self._engine),
-                ctypes.cast(self._copy_fn, ctypes.c_void_p).value)
-
     def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> int:
         """Copy device blocks ``device_ids[i]`` to host blocks ``host_ids[i]``; returns bytes moved."""
         if self._small_native(device_ids, host_ids, host_ids, TO_HOST):

@@ -94,8 +94,8 @@ def _workers_table(workers: list[dict]) -> list[str]:
                       "done", "fast", "failed", "lost reason"], rows)
             + ["  queues: tasks waiting or running per lane; restarts: since start; "
                "done/failed: tasks this",
-               "  process ran; fast: of those done, the ones the native fast path served "
-               "(decode, copy, answer in one call)", ""])
+               "  process ran; fast: of those, the ones run on the socket thread as they "
+               "arrived (small copies, noops)", ""])
 
 
 def _tiers_table(tiers: dict) -> list[str]:

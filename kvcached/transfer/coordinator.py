@@ -48,7 +48,6 @@ from kvcached.tasks import Task, TaskHandle, TaskResult, merge_results
 from kvcached.transfer import protocol as P
 from kvcached.transfer.base import Transfer
 from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
-from kvcached.transfer.fastpath import done_parser
 from kvcached.transfer.peers import PeerTracker
 from kvcached.transfer.supervisor import (
     backoff_s,
@@ -129,7 +128,6 @@ class WorkerTransfer(Transfer):
         self.workers = [_WorkerState(r) for r in range(cfg.tp_size)]
         self.limits = P.Limits(num_device_blocks=cfg.num_gpu_blocks,
                                num_host_blocks=max(cfg.num_cpu_blocks, 1))
-        self._done_fields = done_parser(self.limits)  # a Done's fields, natively if it can
         self._ctx = zmq.Context.instance()
         self._idents = [f"rank-{w.rank}".encode() for w in self.workers]
         self._rank_by_ident = {ident: rank for rank, ident in enumerate(self._idents)}
@@ -351,7 +349,7 @@ class WorkerTransfer(Transfer):
         inf = _Inflight(h, set(self._all_ranks), now, now + self.cfg.task_timeout_s)
         self._inflight[t.task_id] = inf
         try:
-            payload = P.encode_task(t.task_id, t.kind, t.src, t.dst, t.args, self.limits)
+            payload = P.encode(P.Task(t.task_id, t.kind, t.src, t.dst, t.args), self.limits)
         except P.ProtocolError as e:  # e.g. an id outside the pools: never sent
             self._inflight.pop(t.task_id)
             h.complete(TaskResult(t.task_id, False, f"invalid task: {e}"))
@@ -375,14 +373,9 @@ class WorkerTransfer(Transfer):
         rank = self._rank_by_ident.get(ident)
         if len(frames) != 2 or rank is None:
             logger.warning("coordinator: dropping a frame from unknown peer %r", ident[:32])
-            self._reply_error(ident, "expected [identity rank-<r>, one msgpack frame]")
+            self._reply_error(ident, "expected [identity rank-<r>, one message frame]")
             return
         w = self.workers[rank]
-        done = self._done_fields(frames[1])
-        if done is not None:  # the common case: no message object
-            w.last_seen = time.monotonic()
-            self._on_done(rank, *done)
-            return
         try:
             msg = P.decode(frames[1], self.limits)
         except P.ProtocolError as e:

@@ -46,6 +46,7 @@ class RankExecutor:
         self._event_opened = False  # opened from its IPC handle (ours to destroy)
         self._clock = None  # the event's generation clock (kvevent.EventClock)
         self._broken: Exception | None = None  # a fatal error: CUDA is unusable here
+        self._cuda = cfg.device == "cuda"  # copies are ordered after the KV event (_ordered)
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
@@ -130,35 +131,36 @@ class RankExecutor:
         return {"wait_event": self._event} if self._event is not None else {}
 
     def _swap_out(self, task: Task, device_ids, host_ids) -> int:
-        return self.engine.swap_out(device_ids, host_ids, **self._ordered(task))
+        if self._cuda:
+            return self.engine.swap_out(device_ids, host_ids, **self._ordered(task))
+        return self.engine.swap_out(device_ids, host_ids)
 
     def _swap_in(self, task: Task, host_ids, device_ids) -> int:
-        return self.engine.swap_in(host_ids, device_ids, **self._ordered(task))
+        if self._cuda:
+            return self.engine.swap_in(host_ids, device_ids, **self._ordered(task))
+        return self.engine.swap_in(host_ids, device_ids)
 
     def run(self, task: Task) -> dict[str, Any]:
         """Execute one task on this rank; returns {"bytes": n, ...} (the Done's
-        elapsed_s times it)."""
+        elapsed_s times it). ``task`` is a Task or, in a worker, the decoded
+        protocol Task: only its kind, src, dst and args are read."""
+        kind = task.kind  # one frame for a swap: it runs once per rank per swap
         try:
-            return self._run(task)
+            if kind == "noop":
+                return {"bytes": 0}
+            if self.engine is None:
+                raise RuntimeError(f"rank {self.rank}: no host pool (num_cpu_blocks=0, or asleep)")
+            if kind == "swap_out":
+                return {"bytes": self._swap_out(task, task.src, task.dst)}
+            if kind == "swap_in":
+                return {"bytes": self._swap_in(task, task.src, task.dst)}
+            if kind in ("store", "load", "lookup"):
+                return self._storage_task(task)
+            raise ValueError(f"rank {self.rank}: unsupported task kind {kind!r}")
         except Exception as e:
             if getattr(e, "fatal", False):
                 self._broken = e  # close() then only logs what else fails
             raise
-
-    def _run(self, task: Task) -> dict[str, Any]:
-        if task.kind == "noop":
-            return {"bytes": 0}
-        if self.engine is None:
-            raise RuntimeError(f"rank {self.rank}: no host pool (num_cpu_blocks=0, or asleep)")
-        if task.kind == "swap_out":
-            out = {"bytes": self._swap_out(task, task.src, task.dst)}
-        elif task.kind == "swap_in":
-            out = {"bytes": self._swap_in(task, task.src, task.dst)}
-        elif task.kind in ("store", "load", "lookup"):
-            out = self._storage_task(task)
-        else:
-            raise ValueError(f"rank {self.rank}: unsupported task kind {task.kind!r}")
-        return out
 
     # ---------------------------------------------------------------- storage
     def _storage_task(self, task: Task) -> dict[str, Any]:

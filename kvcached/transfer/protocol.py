@@ -5,9 +5,53 @@ the coordinator binds a ZMQ ROUTER; each worker connects a DEALER with identity
 ``rank-<r>``; the ROUTER side prepends/strips that identity frame. The control
 socket used by the CLI is REQ/REP (or DEALER/ROUTER) with the same payloads.
 
-Payload: every message is ONE frame holding ONE msgpack map (str keys)::
+Payload: every message is ONE frame, in one of two formats; byte 0 tells
+them apart. Each message has exactly one of them (decode refuses the other):
 
-    {"v": 1, "kind": "<kind>", <field>: <value>, ...}
+- binary (byte 0 is 0xC1, a byte msgpack never uses): a swap or noop
+  ``task``, and the ``done`` of a task that succeeded with a result of exactly
+  ``bytes`` (int) and ``finished`` (float), what a swap or a noop returns.
+  These are the messages every rank gets and answers for every swap, so they
+  are read with one struct unpack and no per-field checks or maps;
+- msgpack: everything else (hello, ready, heartbeat, store / load / lookup /
+  control tasks, failed dones and dones with other results, error, shutdown,
+  ctl, ctl_reply).
+
+Binary frames, little-endian, every field fixed-size::
+
+    task  offset  0  u8   0xC1
+                  1  u8   protocol version (PROTOCOL_VERSION)
+                  2  u8   1 (task)
+                  3  u8   kind: 1 swap_out, 2 swap_in, 3 noop
+                  4  u32  S, stamp pairs (0, or one per rank: args["kv_event"])
+                  8  i64  task_id
+                 16  u32  N, src ids
+                 20  u32  M, dst ids
+                 24  S x (i64 epoch, i64 generation)
+                 24 + 16 S   N x i32 src ids, then M x i32 dst ids
+          length exactly 24 + 16 S + 4 (N + M)
+
+    done  offset  0  u8   0xC1
+                  1  u8   protocol version
+                  2  u8   2 (done)
+                  3  u8   0
+                  4  u32  rank
+                  8  i64  task_id
+                 16  i64  blocks_done
+                 24  i64  result["bytes"]
+                 32  f64  elapsed_s
+                 40  f64  result["finished"] (time.monotonic() of the rank)
+          length exactly 48
+
+A binary task carries no other args than the KV event stamps (encode refuses
+others); its ids obey the task rules below, fit an int32, and number at most
+``Limits.max_ids`` each way; stamps are non-negative. A binary done is
+``ok=True, error=""`` with ``bytes >= 0`` and ``finished`` in [0, MAX_TIME].
+Every range below holds for binary fields too.
+
+Msgpack frames hold ONE msgpack map (str keys)::
+
+    {"v": 2, "kind": "<kind>", <field>: <value>, ...}
 
 ``v`` is :data:`PROTOCOL_VERSION`; a different version is rejected, not guessed
 at. ``kind`` picks the message class; the map must then hold exactly that
@@ -62,10 +106,11 @@ the message). Task kinds and their ids (device ids are bounded by
     load      dst host ids, src empty, args["keys"]: one str per block
     lookup    src and dst empty, args["keys"]: list of str
     control   src and dst empty, args["op"] in CONTROL_OPS plus that op's args
-    noop      anything (latency benchmarks); ids only type-checked
+    noop      any ids (latency benchmarks, barriers), args at most the stamps
 
 Hostile frames: a frame longer than ``Limits.max_frame_bytes`` is rejected
-before unpacking, and msgpack is unpacked with length limits on every string,
+before parsing; a binary frame's length must be exactly what its header
+declares, and msgpack is unpacked with length limits on every string,
 binary, array and map, so a small frame cannot declare a huge allocation.
 Every problem raises :class:`ProtocolError` (a ``ValueError``); a receiver
 answers it with an :class:`ErrorReply` and keeps running.
@@ -73,15 +118,20 @@ answers it with an :class:`ErrorReply` and keeps running.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
+import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+from kvcached.memory.kvevent import STAMP_ARG
+
+PROTOCOL_VERSION = 2  # 2: swap tasks and their dones travel as binary frames
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -327,7 +377,7 @@ class Message:
 
     def validate(self, limits: Limits | None = None) -> None:
         """Raise :class:`ProtocolError` if this message could not be sent."""
-        _to_wire(self, limits or DEFAULT_LIMITS)
+        encode(self, limits)
 
 
 _BY_KIND: dict[str, type[Message]] = {}
@@ -560,74 +610,285 @@ def _check_durations(args: dict[str, Any], where: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Quick checks for the two messages of every task (task and done, one per
-# rank each way). They pass only the plain common case, in one pass with no
-# call per field; anything else (False) takes the full checks above, which
-# decide every rejection and word every error.
+# Binary frames: a swap or noop task, and the successful Done of one. Every
+# rank gets and answers each of these, so they skip msgpack, its per-field
+# checks and any dict on the way: one struct read of the header, the ids
+# straight from the frame.
 
-_NO_BOUND = INT64_MAX + 1
-_QUICK_TASK_KINDS = frozenset({"swap_out", "swap_in", "noop"})
+BINARY_MAGIC = 0xC1  # a byte msgpack never uses: byte 0 tells the formats apart
+BINARY_TASK, BINARY_DONE = 1, 2  # byte 2, the message type
+BINARY_TASK_KINDS = ("swap_out", "swap_in", "noop")  # kind code = index + 1
+_KIND_CODE = {kind: code for code, kind in enumerate(BINARY_TASK_KINDS, 1)}
+_KIND_OF = dict(enumerate(BINARY_TASK_KINDS, 1))
+# magic, version, type, kind code, stamp pairs, task_id, src count, dst count
+TASK_HEADER = struct.Struct("<BBBBIqII")
+# magic, version, type, 0, rank, task_id, blocks_done, bytes, elapsed_s, finished
+DONE_FRAME = struct.Struct("<BBBBIqqqdd")
+INT32_MAX = (1 << 31) - 1
+MAX_STAMPS = MAX_RANK + 1  # one (epoch, generation) pair per rank
+_NATIVE_LE = sys.byteorder == "little"
 
 
-def _bounds(kind: str, limits: Limits) -> tuple[int, int]:
-    """Exclusive upper bounds of (src, dst) ids for a quick task kind."""
+def _i32s(raw: Any, offset: int, count: int) -> list[int]:
+    """``count`` little-endian int32s of ``raw`` from ``offset``."""
+    if _NATIVE_LE:
+        return memoryview(raw)[offset:offset + 4 * count].cast("i").tolist()
+    return list(struct.unpack_from(f"<{count}i", raw, offset))
+
+
+def _i32_bytes(ids: list[int]) -> bytes:
+    out = array.array("i", ids)
+    if not _NATIVE_LE:
+        out.byteswap()
+    return out.tobytes()
+
+
+def binary_done_shape(msg: Done) -> bool:
+    """Whether ``msg`` travels as a binary frame: ok, no error, and a result of
+    exactly ``bytes`` (int) and ``finished`` (float), what a swap or noop returns.
+    Every other Done (failed, storage, control) is msgpack."""
+    result = msg.result
+    return (msg.ok is True and msg.error == "" and type(result) is dict and len(result) == 2
+            and type(result.get("bytes")) is int and type(result.get("finished")) is float)
+
+
+def _task_ids(ids: Any, where: str, limits: Limits) -> list[int]:
+    ids = _check_ids(ids, where, limits)
+    if ids and max(ids) > INT32_MAX:
+        bad = next(x for x in ids if x > INT32_MAX)
+        raise ProtocolError(f"{where}: block id {bad} does not fit the binary frame's int32")
+    return ids
+
+
+def _task_stamps(kind: str, args: Any) -> list[int]:
+    """The flat (epoch, generation, ...) int64s of ``args``, which may hold only the
+    KV event stamps (kvcached.memory.kvevent)."""
+    if type(args) is not dict:
+        raise _fail(f"task {kind}: args", "map", args)
+    if not args:
+        return []
+    if args.keys() != {STAMP_ARG}:
+        raise ProtocolError(f"task {kind}: args may hold only {STAMP_ARG!r} (a binary frame "
+                            f"has no other), got {sorted(map(repr, args))}")
+    stamps = args[STAMP_ARG]
+    where = f"task {kind}: args[{STAMP_ARG!r}]"
+    if type(stamps) not in (list, tuple) or not 0 < len(stamps) <= MAX_STAMPS:
+        raise _fail(where, f"a list of 1 to {MAX_STAMPS} [epoch, generation] pairs", stamps)
+    flat = []
+    for i, pair in enumerate(stamps):
+        if (type(pair) not in (list, tuple) or len(pair) != 2
+                or not all(type(x) is int and 0 <= x <= INT64_MAX for x in pair)):
+            raise _fail(f"{where}[{i}]", "[epoch, generation] ints in [0, int64 max]", pair)
+        flat += pair
+    return flat
+
+
+def _check_swap_ids(kind: str, src: list[int], dst: list[int], limits: Limits) -> None:
+    """A swap's ids: equal lengths, each tier's ids below its block count."""
+    if len(src) != len(dst):
+        raise ProtocolError(f"task {kind}: src has {len(src)} ids but dst has {len(dst)}")
+    dev, host = limits.num_device_blocks, limits.num_host_blocks
+    src_tier, dst_tier = ("device", "host") if kind == "swap_out" else ("host", "device")
+    _check_bound(src, f"task {kind} src", dev if kind == "swap_out" else host, src_tier)
+    _check_bound(dst, f"task {kind} dst", host if kind == "swap_out" else dev, dst_tier)
+
+
+def _id_bounds(kind: str, limits: Limits) -> tuple[int, int]:
+    """Exclusive upper bounds of a binary task's (src, dst) ids."""
     if kind == "noop":
         return _NO_BOUND, _NO_BOUND
-    dev = _NO_BOUND if limits.num_device_blocks is None else limits.num_device_blocks
-    host = _NO_BOUND if limits.num_host_blocks is None else limits.num_host_blocks
+    dev, host = limits.num_device_blocks, limits.num_host_blocks
+    dev = _NO_BOUND if dev is None else dev
+    host = _NO_BOUND if host is None else host
     return (dev, host) if kind == "swap_out" else (host, dev)
 
 
-def _ids_within(ids: list, bound: int) -> bool:
-    if len(ids) == 1:  # the common one-block task, without building sets
+_NO_BOUND = INT32_MAX + 1  # every int32 id fits
+_ONE_BLOCK_TASK = struct.Struct("<BBBBIqIIii")  # a one-block task frame, whole
+
+
+def _ids_fit(ids: Any, bound: int) -> bool:
+    """``ids`` is a list of ints in [0, bound) (the common case, in C calls)."""
+    if type(ids) is not list:
+        return False
+    if len(ids) == 1:
         return type(ids[0]) is int and 0 <= ids[0] < bound
     return not ids or (set(map(type, ids)) == _INT_ONLY and min(ids) >= 0 and max(ids) < bound)
 
 
-_INT_ONLY = frozenset({int})
+_INT_ONLY = {int}
 
 
-def _quick_task(wire: dict[str, Any], limits: Limits) -> bool:
-    """A swap or noop with equal-length id lists and no args."""
-    task_id, kind, src, dst, args = (wire["task_id"], wire["task_kind"], wire["src"],
-                                     wire["dst"], wire["args"])
-    if (type(task_id) is not int or not 0 <= task_id <= INT64_MAX
-            or type(kind) is not str or kind not in _QUICK_TASK_KINDS
-            or type(args) is not dict or args or type(src) is not list
-            or type(dst) is not list or len(src) != len(dst) or len(src) > limits.max_ids):
-        return False
-    src_bound, dst_bound = _bounds(kind, limits)
-    return _ids_within(src, src_bound) and _ids_within(dst, dst_bound)
+def _encode_binary_task(task: Task, limits: Limits) -> bytes:
+    kind, task_id, src, dst, args = task.kind, task.task_id, task.src, task.dst, task.args
+    src_bound, dst_bound = _id_bounds(kind, limits)
+    if (type(task_id) is int and 0 <= task_id <= INT64_MAX and type(args) is dict and not args
+            and type(src) is list and type(dst) is list
+            and (kind == "noop" or len(src) == len(dst)) and len(src) <= limits.max_ids
+            and len(dst) <= limits.max_ids and _ids_fit(src, min(src_bound, _NO_BOUND))
+            and _ids_fit(dst, min(dst_bound, _NO_BOUND))):
+        # The common task, checked in one pass; anything else (stamps included)
+        # takes the checks below, which also word every refusal.
+        if len(src) == 1 and len(dst) == 1:
+            raw = _ONE_BLOCK_TASK.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_TASK,
+                                       _KIND_CODE[kind], 0, task_id, 1, 1, src[0], dst[0])
+        else:
+            raw = TASK_HEADER.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_TASK,
+                                   _KIND_CODE[kind], 0, task_id, len(src),
+                                   len(dst)) + _i32_bytes(src + dst)
+        stamps = ()
+    else:
+        try:
+            task_id = _check_int(task_id, "task.task_id", limits)
+            _check_range(task_id, "task.task_id", 0, INT64_MAX)
+            src = _task_ids(src, "task.src", limits)
+            dst = _task_ids(dst, "task.dst", limits)
+            if kind != "noop":
+                _check_swap_ids(kind, src, dst, limits)
+            stamps = _task_stamps(kind, args)
+        except ProtocolError as exc:
+            exc.kind = Task.KIND
+            exc.task_id = task_id if type(task_id) is int and 0 <= task_id <= INT64_MAX else None
+            raise
+        raw = b"".join((
+            TASK_HEADER.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_TASK, _KIND_CODE[kind],
+                             len(stamps) >> 1, task_id, len(src), len(dst)),
+            struct.pack(f"<{len(stamps)}q", *stamps), _i32_bytes(src + dst)))
+    if len(raw) > limits.max_frame_bytes:
+        raise ProtocolError(f"task: encoded frame of {len(raw)} bytes exceeds "
+                            f"max_frame_bytes={limits.max_frame_bytes}", kind=Task.KIND,
+                            task_id=task_id)
+    return raw
 
 
-_PLAIN_RESULT = frozenset({int, float, bool})
+def encode_done(task_id: int, rank: int, blocks_done: int, elapsed_s: float, nbytes: int,
+                finished: float) -> bytes:
+    """The binary frame of ``Done(task_id, rank, True, "", blocks_done, elapsed_s,
+    {"bytes": nbytes, "finished": finished})``: what :func:`encode` gives for that
+    message (it calls this), without the message object, for a worker that
+    answers every swap with one. Raises :class:`ProtocolError` as encode does."""
+    if (type(task_id) is int and type(rank) is int and type(blocks_done) is int
+            and type(elapsed_s) is float and type(nbytes) is int and type(finished) is float
+            and 0 <= task_id <= INT64_MAX and 0 <= rank <= MAX_RANK
+            and 0 <= blocks_done <= INT64_MAX and 0 <= nbytes <= INT64_MAX
+            and 0.0 <= elapsed_s <= MAX_SECONDS and 0.0 <= finished <= MAX_TIME):
+        return DONE_FRAME.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_DONE, 0, rank, task_id,
+                               blocks_done, nbytes, elapsed_s, finished)
+    # The checks that word the refusal (an int elapsed_s passes, as a float).
+    try:
+        for value, where, lo, hi, check in (
+                (task_id, "done.task_id", 0, INT64_MAX, _check_int),
+                (rank, "done.rank", 0, MAX_RANK, _check_int),
+                (blocks_done, "done.blocks_done", 0, INT64_MAX, _check_int),
+                (elapsed_s, "done.elapsed_s", 0.0, MAX_SECONDS, _check_float),
+                (nbytes, "done.result['bytes']", 0, INT64_MAX, _check_int),
+                (finished, "done.result['finished']", 0.0, MAX_TIME, _check_float)):
+            _check_range(check(value, where, DEFAULT_LIMITS), where, lo, hi)
+    except ProtocolError as exc:
+        exc.kind = Done.KIND
+        exc.task_id = task_id if type(task_id) is int and 0 <= task_id <= INT64_MAX else None
+        raise
+    return DONE_FRAME.pack(BINARY_MAGIC, PROTOCOL_VERSION, BINARY_DONE, 0, rank, task_id,
+                           blocks_done, nbytes, float(elapsed_s), float(finished))
 
 
-def _quick_done(wire: dict[str, Any], limits: Limits) -> bool:
-    """Ints in range, a float elapsed time in range, a short error and a flat result
-    map of short keys and numbers (finite floats)."""
-    task_id, rank, blocks = wire["task_id"], wire["rank"], wire["blocks_done"]
-    error, result, elapsed = wire["error"], wire["result"], wire["elapsed_s"]
-    if (type(task_id) is not int or type(rank) is not int or type(blocks) is not int
-            or type(wire["ok"]) is not bool or type(error) is not str
-            or type(elapsed) is not float or not 0.0 <= elapsed <= MAX_SECONDS
-            or type(result) is not dict
-            or len(error) > limits.max_str >> 2 or len(result) > limits.max_map
-            or min(task_id, rank, blocks) < 0 or max(task_id, blocks) > INT64_MAX
-            or rank > MAX_RANK):
-        return False
-    short = limits.max_str >> 2
-    for key, value in result.items():
-        kind = type(value)
-        if (type(key) is not str or len(key) > short or kind not in _PLAIN_RESULT
-                or (kind is int and not INT64_MIN <= value <= INT64_MAX)
-                or (kind is float and not math.isfinite(value))):
-            return False
-    return True
+def _decode_binary(raw: bytes, limits: Limits) -> Task | Done:
+    """One binary frame (``raw[0] == BINARY_MAGIC``); see the module docstring."""
+    size = len(raw)
+    if size < 4:
+        raise ProtocolError(f"binary frame of {size} bytes is shorter than its 4-byte preamble")
+    version, mtype = raw[1], raw[2]
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version mismatch: binary frame has v={version}, this "
+                            f"side speaks v={PROTOCOL_VERSION}; upgrade both sides together")
+    if mtype == BINARY_TASK:
+        return _decode_binary_task(raw, size, limits)
+    if mtype == BINARY_DONE:
+        return _decode_binary_done(raw, size)
+    raise ProtocolError(f"unknown binary message type {mtype}; expected {BINARY_TASK} (task) "
+                        f"or {BINARY_DONE} (done)")
 
 
-_QUICK: dict[type, Callable[[dict[str, Any], Limits], bool]] = {
-    Task: _quick_task, Done: _quick_done}
+def _decode_binary_task(raw: bytes, size: int, limits: Limits) -> Task:
+    head = TASK_HEADER.size
+    src: list[int] = []
+    dst: list[int] = []
+    if size < head:
+        raise ProtocolError(f"binary task: frame of {size} bytes is shorter than its "
+                            f"{head}-byte header", kind=Task.KIND)
+    _, _, _, code, nstamps, task_id, nsrc, ndst = TASK_HEADER.unpack_from(raw)
+    kind = _KIND_OF.get(code)
+    if kind is not None and task_id >= 0:
+        src_bound, dst_bound = _id_bounds(kind, limits)
+        ids_at = head + 16 * nstamps
+        if (nsrc <= limits.max_ids and ndst <= limits.max_ids and nstamps <= MAX_STAMPS
+                and size == ids_at + 4 * (nsrc + ndst)):
+            ids = _i32s(raw, ids_at, nsrc + ndst)
+            src, dst = ids[:nsrc], ids[nsrc:]
+            ok = (nsrc == ndst or kind == "noop") and (not ids or min(ids) >= 0) and (
+                not src or max(src) < src_bound) and (not dst or max(dst) < dst_bound)
+            if ok and not nstamps:
+                return Task(task_id, kind, src, dst, {})
+            if ok:
+                flat = struct.unpack_from(f"<{2 * nstamps}q", raw, head)
+                if min(flat) >= 0:
+                    return Task(task_id, kind, src, dst, {
+                        STAMP_ARG: [list(flat[i:i + 2]) for i in range(0, len(flat), 2)]})
+    # Refused: say why (the checks above, one at a time).
+    tid = task_id if task_id >= 0 else None
+    if kind is None:
+        raise ProtocolError(f"task.task_kind: unknown binary task kind code {code}; expected "
+                            f"one of {_KIND_CODE}", kind=Task.KIND, task_id=tid)
+    if tid is None:
+        raise ProtocolError(f"task.task_id: {task_id} is out of range [0, {INT64_MAX}]",
+                            kind=Task.KIND)
+    for name, count, bound, most in (("src ids", nsrc, "max_ids", limits.max_ids),
+                                     ("dst ids", ndst, "max_ids", limits.max_ids),
+                                     ("kv_event stamps", nstamps, "MAX_STAMPS", MAX_STAMPS)):
+        if count > most:
+            raise ProtocolError(f"task {kind}: {count} {name} exceed {bound}={most}",
+                                kind=Task.KIND, task_id=tid)
+    want = head + 16 * nstamps + 4 * (nsrc + ndst)
+    if size != want:
+        raise ProtocolError(f"binary task: frame of {size} bytes, its header declares {want}",
+                            kind=Task.KIND, task_id=tid)
+    for name, ids in (("src", src), ("dst", dst)):
+        if ids and min(ids) < 0:
+            bad = next(i for i, x in enumerate(ids) if x < 0)
+            raise ProtocolError(f"task {kind} {name}[{bad}]: block id {ids[bad]} is out of range",
+                                kind=Task.KIND, task_id=tid)
+    try:
+        if kind != "noop":
+            _check_swap_ids(kind, src, dst, limits)
+    except ProtocolError as exc:
+        exc.kind, exc.task_id = Task.KIND, tid
+        raise
+    raise ProtocolError(f"task {kind}: args[{STAMP_ARG!r}] holds a negative epoch or "
+                        "generation", kind=Task.KIND, task_id=tid)
+
+
+def _decode_binary_done(raw: bytes, size: int) -> Done:
+    if size != DONE_FRAME.size:
+        tid = struct.unpack_from("<q", raw, 8)[0] if size >= 16 else -1
+        raise ProtocolError(f"binary done: frame of {size} bytes, a done is {DONE_FRAME.size}",
+                            kind=Done.KIND, task_id=tid if tid >= 0 else None)
+    _, _, _, pad, rank, task_id, blocks, nbytes, elapsed, finished = DONE_FRAME.unpack_from(raw)
+    # Chained comparisons: NaN fails every one of them.
+    if (pad == 0 and task_id >= 0 and rank <= MAX_RANK and blocks >= 0 and nbytes >= 0
+            and 0.0 <= elapsed <= MAX_SECONDS and 0.0 <= finished <= MAX_TIME):
+        return Done(task_id, rank, True, "", blocks, elapsed,
+                    {"bytes": nbytes, "finished": finished})
+    tid = task_id if task_id >= 0 else None
+    for where, value, lo, hi in (
+            ("done byte 3", pad, 0, 0), ("done.task_id", task_id, 0, INT64_MAX),
+            ("done.rank", rank, 0, MAX_RANK), ("done.blocks_done", blocks, 0, INT64_MAX),
+            ("done.result['bytes']", nbytes, 0, INT64_MAX),
+            ("done.elapsed_s", elapsed, 0.0, MAX_SECONDS),
+            ("done.result['finished']", finished, 0.0, MAX_TIME)):
+        if not lo <= value <= hi:
+            raise ProtocolError(f"{where}: {value} is out of range [{lo}, {hi}]",
+                                kind=Done.KIND, task_id=tid)
+    raise AssertionError("unreachable: every check passed")  # pragma: no cover
 
 
 # ---------------------------------------------------------------------------
@@ -635,13 +896,6 @@ _QUICK: dict[type, Callable[[dict[str, Any], Limits], bool]] = {
 
 
 def _to_wire(msg: Message, limits: Limits) -> dict[str, Any]:
-    quick = _QUICK.get(type(msg))
-    if quick is not None:
-        wire = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
-        for attr, key, _, _ in msg._SPEC:
-            wire[key] = getattr(msg, attr)
-        if quick(wire, limits):
-            return wire
     wire = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
     for attr, key, where, check in msg._SPEC:
         wire[key] = check(getattr(msg, attr), where, limits)
@@ -662,10 +916,18 @@ def _check_ranges(msg: Message) -> None:
 
 def encode(msg: Message, limits: Limits | None = None) -> bytes:
     """Validate ``msg`` against ``limits`` (default: :data:`DEFAULT_LIMITS`) and pack it
-    into one msgpack frame. Raises :class:`ProtocolError` if the receiver would reject it."""
+    into one frame: a binary frame for a swap or noop Task and for a Done of
+    :func:`binary_done_shape`, msgpack for everything else. Raises
+    :class:`ProtocolError` if the receiver would reject it."""
     if not isinstance(msg, Message):
         raise ProtocolError(f"cannot encode {_type_name(msg)}: not a protocol message")
     limits = limits or DEFAULT_LIMITS
+    cls = type(msg)
+    if cls is Task and type(msg.kind) is str and msg.kind in _KIND_CODE:
+        return _encode_binary_task(msg, limits)
+    if cls is Done and binary_done_shape(msg):
+        return encode_done(msg.task_id, msg.rank, msg.blocks_done, msg.elapsed_s,
+                           msg.result["bytes"], msg.result["finished"])
     try:
         raw = msgpack.packb(_to_wire(msg, limits), use_bin_type=True)
     except ProtocolError as exc:
@@ -680,18 +942,10 @@ def encode(msg: Message, limits: Limits | None = None) -> bytes:
     return raw
 
 
-def _unpack(raw: Any, limits: Limits) -> Any:
-    try:
-        size = len(raw) if type(raw) is bytes else memoryview(raw).nbytes
-    except TypeError:
-        raise ProtocolError(f"frame must be bytes-like, got {_type_name(raw)}") from None
-    if size > limits.max_frame_bytes:
-        # Checked before unpacking so an oversize frame costs nothing to refuse.
-        raise ProtocolError(
-            f"frame of {size} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
+def _unpack(raw: bytes, limits: Limits) -> Any:
     try:
         # unpackb has no max_buffer_size (that is the streaming Unpacker's); the
-        # frame-size check above plays that role for a one-shot buffer.
+        # frame-size check in decode plays that role for a one-shot buffer.
         return msgpack.unpackb(
             raw, raw=False, strict_map_key=True, use_list=True,
             max_str_len=limits.max_str, max_bin_len=limits.max_frame_bytes,
@@ -731,73 +985,55 @@ def _check_keys_exact(obj: dict, cls: type[Message], task_id: int | None) -> Non
     raise ProtocolError(f"{cls.KIND}: {'; '.join(problems)}", kind=cls.KIND, task_id=task_id)
 
 
-def quick_wire(raw: bytes, cls: type[Message], limits: Limits) -> dict[str, Any] | None:
-    """The wire map of ``raw`` when it is a ``cls`` message (Task or Done) of the
-    common shape that the quick check accepts; None otherwise, and then
-    :func:`decode` says what the frame is or what is wrong with it. The hot
-    loops (a worker's swaps, the coordinator's dones) use the map as it is,
-    without building a message object: only checks that ``decode`` also makes
-    pass here, so both accept exactly the same frames on this path."""
-    try:
-        obj = _unpack(raw, limits)
-    except ProtocolError:
-        return None
-    if (type(obj) is dict and obj.get("kind") == cls.KIND and type(obj.get("v")) is int
-            and obj["v"] == PROTOCOL_VERSION and len(obj) == len(cls._KEYS)
-            and obj.keys() <= cls._KEYS and _QUICK[cls](obj, limits)):
-        return obj
-    return None
-
-
-def done_fields(raw: bytes, limits: Limits) -> tuple | None:
-    """``(task_id, rank, ok, error, result, elapsed_s)`` of a Done frame that
-    :func:`quick_wire` takes; None otherwise (then :func:`decode` decides). The
-    coordinator's hot path (``fastpath.done_parser`` reads the same natively)."""
-    w = quick_wire(raw, Done, limits)
-    if w is None:
-        return None
-    return w["task_id"], w["rank"], w["ok"], w["error"], w["result"], w["elapsed_s"]
-
-
-def encode_task(task_id: int, kind: str, src: list[int], dst: list[int],
-                args: dict[str, Any], limits: Limits | None = None) -> bytes:
-    """``Task(task_id, kind, src, dst, args).encode(limits)``, the same bytes, without
-    the message object when the quick check passes (the coordinator's hot path)."""
-    wire = {"v": PROTOCOL_VERSION, "kind": Task.KIND, "task_id": task_id, "task_kind": kind,
-            "src": src, "dst": dst, "args": args}
-    return _pack_quick(Task, wire, limits, lambda: Task(task_id, kind, src, dst, args))
-
-
-def encode_done(task_id: int, rank: int, blocks_done: int, elapsed_s: float,
-                result: dict[str, Any], limits: Limits | None = None) -> bytes:
-    """``Done(task_id, rank, True, "", blocks_done, elapsed_s, result).encode(limits)``,
-    the same bytes, without the message object when the quick check passes."""
-    wire = {"v": PROTOCOL_VERSION, "kind": Done.KIND, "task_id": task_id, "rank": rank,
-            "ok": True, "error": "", "blocks_done": blocks_done, "elapsed_s": elapsed_s,
-            "result": result}
-    return _pack_quick(Done, wire, limits,
-                       lambda: Done(task_id, rank, True, "", blocks_done, elapsed_s, result))
-
-
-def _pack_quick(cls: type[Message], wire: dict[str, Any], limits: Limits | None,
-                message: Callable[[], Message]) -> bytes:
-    """Pack ``wire`` (in the order ``_to_wire`` builds it) if the quick check takes
-    it; otherwise the full :func:`encode` of ``message()`` decides (or raises)."""
-    limits = limits or DEFAULT_LIMITS
-    if _QUICK[cls](wire, limits):
-        raw = msgpack.packb(wire, use_bin_type=True)
-        if len(raw) <= limits.max_frame_bytes:
-            return raw
-    return encode(message(), limits)
-
-
 def decode(raw: bytes, limits: Limits | None = None) -> Message:
-    """Decode and validate one frame; raises :class:`ProtocolError` on anything wrong.
+    """Decode and validate one frame, binary or msgpack (byte 0 tells); raises
+    :class:`ProtocolError` on anything wrong.
 
     ``limits`` (default :data:`DEFAULT_LIMITS`) bounds the frame, lists, strings
-    and, when set, the block ids of tasks.
+    and, when set, the block ids of tasks. A msgpack frame of a message that
+    travels binary (a swap or noop task, a Done of :func:`binary_done_shape`) is
+    refused: each message has exactly one encoding.
     """
     limits = limits or DEFAULT_LIMITS
+    size = len(raw) if type(raw) is bytes else -1
+    # The frames of every swap, read first and in place: they pass exactly when
+    # the full checks below would (anything else goes on to them, and they word
+    # the refusal). A one-block task and a done cost one struct read each.
+    if size == 48 and raw[0] == BINARY_MAGIC and size <= limits.max_frame_bytes:
+        m, v, t, pad, rank, task_id, blocks, nbytes, elapsed, finished = DONE_FRAME.unpack_from(
+            raw)
+        if (v == PROTOCOL_VERSION and t == BINARY_DONE and pad == 0 and task_id >= 0
+                and rank <= MAX_RANK and blocks >= 0 and nbytes >= 0
+                and 0.0 <= elapsed <= MAX_SECONDS and 0.0 <= finished <= MAX_TIME):
+            return Done(task_id, rank, True, "", blocks, elapsed,
+                        {"bytes": nbytes, "finished": finished})
+    elif size == 32 and raw[0] == BINARY_MAGIC and size <= limits.max_frame_bytes:
+        m, v, t, code, nstamps, task_id, nsrc, ndst, s, d = _ONE_BLOCK_TASK.unpack_from(raw)
+        if (v == PROTOCOL_VERSION and t == BINARY_TASK and nstamps == 0 and nsrc == 1
+                and ndst == 1 and task_id >= 0 and s >= 0 and d >= 0):
+            dev, host = limits.num_device_blocks, limits.num_host_blocks
+            # the kind codes of BINARY_TASK_KINDS, spelled out (no lookup per task)
+            if code == 1 and (dev is None or s < dev) and (host is None or d < host):
+                return Task(task_id, "swap_out", [s], [d], {})
+            if code == 2 and (host is None or s < host) and (dev is None or d < dev):
+                return Task(task_id, "swap_in", [s], [d], {})
+            if code == 3:
+                return Task(task_id, "noop", [s], [d], {})
+    if type(raw) is not bytes:
+        try:
+            view = memoryview(raw)
+        except TypeError:
+            raise ProtocolError(f"frame must be bytes-like, got {_type_name(raw)}") from None
+        if view.nbytes > limits.max_frame_bytes:
+            raise ProtocolError(
+                f"frame of {view.nbytes} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
+        raw = view.tobytes()
+    if len(raw) > limits.max_frame_bytes:
+        # Checked before parsing so an oversize frame costs nothing to refuse.
+        raise ProtocolError(
+            f"frame of {len(raw)} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
+    if raw and raw[0] == BINARY_MAGIC:
+        return _decode_binary(raw, limits)
     obj = _unpack(raw, limits)
     cls = _check_header(obj)
     task_id = obj.get("task_id")
@@ -805,14 +1041,17 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
     task_id = task_id if type(task_id) is int and 0 <= task_id <= INT64_MAX else None
     if len(obj) != len(cls._KEYS) or not obj.keys() <= cls._KEYS:
         _check_keys_exact(obj, cls, task_id)
+    if cls is Task and type(obj["task_kind"]) is str and obj["task_kind"] in _KIND_CODE:
+        raise ProtocolError(f"task {obj['task_kind']}: swap and noop tasks travel as binary "
+                            "frames, not msgpack", kind=Task.KIND, task_id=task_id)
     try:
-        quick = _QUICK.get(cls)
-        if quick is not None and quick(obj, limits):
-            return cls(*[obj[key] for _, key, _, _ in cls._SPEC])
         msg = cls(*[check(obj[key], where, limits) for _, key, where, check in cls._SPEC])
         _check_ranges(msg)
         if cls is Task:
             _check_task(msg, limits)
+        elif cls is Done and binary_done_shape(msg):
+            raise ProtocolError("done: a successful done whose result is bytes and finished "
+                                "travels as a binary frame, not msgpack")
     except ProtocolError as exc:
         exc.kind, exc.task_id = cls.KIND, task_id
         raise
@@ -820,9 +1059,10 @@ def decode(raw: bytes, limits: Limits | None = None) -> Message:
 
 
 __all__ = [
-    "CONTROL_OPS", "DEFAULT_LIMITS", "MAX_NESTING", "MAX_PID", "MAX_RANK", "MAX_SECONDS",
-    "MAX_TIME", "MESSAGE_KINDS", "MIN_TIMEOUT_S", "PROTOCOL_VERSION",
-    "TASK_KINDS", "CtlReply", "CtlRequest", "Done", "ErrorReply", "Heartbeat", "Hello",
-    "Limits", "Message", "ProtocolError", "Ready", "Shutdown", "Task", "clip", "decode",
-    "done_fields", "encode", "encode_done", "encode_task", "quick_wire",
+    "BINARY_DONE", "BINARY_MAGIC", "BINARY_TASK", "BINARY_TASK_KINDS", "CONTROL_OPS",
+    "DEFAULT_LIMITS", "DONE_FRAME", "INT32_MAX", "MAX_NESTING", "MAX_PID", "MAX_RANK",
+    "MAX_SECONDS", "MAX_STAMPS", "MAX_TIME", "MESSAGE_KINDS", "MIN_TIMEOUT_S",
+    "PROTOCOL_VERSION", "TASK_HEADER", "TASK_KINDS", "CtlReply", "CtlRequest", "Done",
+    "ErrorReply", "Heartbeat", "Hello", "Limits", "Message", "ProtocolError", "Ready",
+    "Shutdown", "Task", "binary_done_shape", "clip", "decode", "encode", "encode_done",
 ]

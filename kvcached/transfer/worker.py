@@ -31,17 +31,14 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import zmq
 
 from kvcached.config import CacheConfig
-from kvcached.tasks import Task
 from kvcached.transfer import protocol as P
 from kvcached.transfer.control import WorkerControl
 from kvcached.transfer.endpoints import CONFIG_FILE, ENGINE_FILE, coordinator_endpoint
 from kvcached.transfer.executor import RankExecutor
-from kvcached.transfer.fastpath import swap_server
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +56,7 @@ INLINE_MAX_BLOCKS = 8  # swaps up to this size run on the socket thread (microse
 CHORES_S = 0.01
 LANE_JOIN_S = 5.0  # at exit, lanes finishing a copy get this long in all (they are daemons)
 SEND_POLL_MS = 10  # a send with no room waits in slices this long, checking on the engine
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: pyzmq's IntFlag costs an enum operation per send
 # What can change while the engine runs (update_weights, attach/detach_storage).
 RUNTIME_FIELDS = ("weight_version", "storage_backend", "storage_url")
 
@@ -74,8 +72,8 @@ class Lane(threading.Thread):
         super().__init__(name=f"lane-{name}", daemon=True)
         self.lane = name
         self.worker = worker
-        # (task_id, kind, src, dst, args) of each task, None to stop
-        self.tasks: queue.Queue[tuple | None] = queue.Queue()
+        # each task (a protocol Task), None to stop
+        self.tasks: queue.Queue[P.Task | None] = queue.Queue()
         self.busy = False
         # Tasks handed to this lane whose Done the socket thread has not yet
         # forwarded; only the socket thread changes it, so "0" is race-free
@@ -93,7 +91,7 @@ class Lane(threading.Thread):
                     return
                 self.busy = True
                 try:
-                    push.send_multipart([self.lane.encode(), self.worker.execute(*task)])
+                    push.send_multipart([self.lane.encode(), self.worker.execute(task)])
                 finally:
                     self.busy = False
         finally:
@@ -119,15 +117,13 @@ class Worker(WorkerControl):
         self._idle = threading.Condition()
         self.lanes = {name: Lane(name, self) for name in LANES}
         self._owed = 0  # sum of the lanes' outstanding: one check per message
-        # Native serve(raw) of small swaps while attached (fastpath.swap_server).
-        self._fast = None
         self.stop_reason = ""
         self._hb_seq = 0
         self._ready = False  # the coordinator accepted our hello and we attached
         self._last_rx = self._last_hello = self._last_hb = 0.0
         self.tasks_done = 0
         self.tasks_failed = 0
-        self.tasks_fast = 0  # of tasks_done, those served by the native fast path
+        self.tasks_fast = 0  # of tasks_done, those run inline on the socket thread
         self.fatal = ""  # set (by any thread) when a task failed fatally: exit soon
         # On CUDA a copy waits for the engine's KV event (up to a forward pass):
         # never on the socket thread, where heartbeats and the other direction
@@ -233,7 +229,7 @@ class Worker(WorkerControl):
         worker gives up (EngineGone) when the engine pid is gone or nothing
         could be delivered for engine_timeout_s."""
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            sock.send(frame, _NOBLOCK)
             return
         except zmq.Again:
             pass
@@ -241,7 +237,7 @@ class Worker(WorkerControl):
         while True:
             if sock.poll(SEND_POLL_MS, zmq.POLLOUT):
                 try:
-                    sock.send(frame, zmq.NOBLOCK)
+                    sock.send(frame, _NOBLOCK)
                     return
                 except zmq.Again:
                     pass
@@ -291,20 +287,6 @@ class Worker(WorkerControl):
         return None
 
     def _on_frame(self, sock: zmq.Socket, raw: bytes) -> str:
-        # A small swap while no lane owes anything (order within a lane holds):
-        # decoded, copied and answered in one native call.
-        if self._fast is not None and not self._owed:
-            done = self._fast(raw)
-            if done is not None:
-                self.tasks_done += 1
-                self.tasks_fast += 1
-                self._send(sock, done)
-                return ""
-        wire = P.quick_wire(raw, P.Task, self.limits)
-        if wire is not None:  # a swap or noop: no message object on the hot path
-            self._run_task(sock, wire["task_id"], wire["task_kind"], wire["src"], wire["dst"],
-                           wire["args"])
-            return ""
         try:
             msg = P.decode(raw, self.limits)
         except P.ProtocolError as e:
@@ -316,7 +298,7 @@ class Worker(WorkerControl):
                 self._send(sock, P.ErrorReply.from_exception(e).encode())
             return ""
         if type(msg) is P.Task:
-            self._run_task(sock, msg.task_id, msg.kind, msg.src, msg.dst, msg.args)
+            self._run_task(sock, msg)
         elif isinstance(msg, P.Ready):
             if not msg.ok:
                 self.stop_reason = f"refused by the coordinator: {msg.error}"
@@ -332,29 +314,36 @@ class Worker(WorkerControl):
         return ""
 
     # ------------------------------------------------------------- executing
-    def _run_task(self, sock: zmq.Socket, task_id: int, kind: str, src: list[int],
-                  dst: list[int], args: dict[str, Any]) -> None:
+    def _run_task(self, sock: zmq.Socket, task: P.Task) -> None:
         """Run a task here (small ones, see ``_inline_ok``) or queue it on its lane."""
+        kind = task.kind
         lane = self.lanes[LANE_OF[kind]]
-        if self._inline_ok(kind, len(src), lane) and (self._inline_copies or kind == "noop"):
-            self._send(sock, self.execute(task_id, kind, src, dst, args))  # no hand-offs
+        if self._inline_ok(kind, len(task.src), lane) and (self._inline_copies or kind == "noop"):
+            self.tasks_fast += 1
+            self._send(sock, self.execute(task))  # no hand-offs
         else:
             lane.outstanding += 1
             self._owed += 1
-            lane.tasks.put((task_id, kind, src, dst, args))
+            lane.tasks.put(task)
 
-    def execute(self, task_id: int, kind: str, src: list[int], dst: list[int],
-                args: dict[str, Any]) -> bytes:
-        """Run one task; returns the encoded Done to send back. Never raises."""
+    def execute(self, task: P.Task) -> bytes:
+        """Run one task (as decoded: the executor reads its kind, ids and args);
+        returns the encoded Done to send back. Never raises."""
         t0 = time.perf_counter()
+        task_id, kind = task.task_id, task.kind
         try:
             if kind == "control":
-                result = self.control(args)
+                result = self.control(task.args)
             else:
-                result = self.executor.run(Task(kind, src, dst, args))
-            result["finished"] = time.monotonic()  # lets tests check per-lane order
-            frame = P.encode_done(task_id, self.rank, len(src or dst),
-                                  time.perf_counter() - t0, result)
+                result = self.executor.run(task)
+            finished = time.monotonic()  # lets tests check per-lane order
+            if len(result) == 1 and type(result.get("bytes")) is int:  # a swap's or a noop's
+                frame = P.encode_done(task_id, self.rank, len(task.src or task.dst),
+                                      time.perf_counter() - t0, result["bytes"], finished)
+            else:
+                result["finished"] = finished
+                frame = P.encode(P.Done(task_id, self.rank, True, "", len(task.src or task.dst),
+                                        time.perf_counter() - t0, result), self.limits)
             self.tasks_done += 1
             return frame
         except Exception as e:
@@ -373,22 +362,22 @@ class Worker(WorkerControl):
     @staticmethod
     def _inline_ok(kind: str, n_ids: int, lane: Lane) -> bool:
         """Small copies and noops run on the socket thread when their lane is idle:
-        order within the lane is kept, and the two thread hand-offs (most of a
-        small task's latency) are saved. Big copies and control go to lanes so
-        heartbeats and the other direction keep flowing."""
+        order within the lane is kept, and a small task's round trip skips the
+        two thread hand-offs (a queue, then an inproc socket back, each waking
+        another thread), which cost more than decoding, copying and answering
+        it. Big copies and control go to lanes so heartbeats and the other
+        direction keep flowing."""
         if kind == "noop":
             return True
         small = kind in ("swap_out", "swap_in") and n_ids <= INLINE_MAX_BLOCKS
         return small and lane.outstanding == 0
 
     def open_executor(self, timeout_s: float) -> None:
-        """Attach to the rank's memory (and set up the native fast path on it)."""
+        """Attach to the rank's memory."""
         self.executor.open(timeout_s=timeout_s)
-        self._fast = swap_server(self.executor.engine, self.rank, self.limits, INLINE_MAX_BLOCKS)
 
     def close_executor(self) -> None:
         """Detach (sleep); storage stays open."""
-        self._fast = None
         self.executor.close(final=False)
 
     def _forwarded(self, lane: str) -> None:

@@ -30,6 +30,7 @@ from kvcached.memory import cuda_ipc, kvevent, kvshare
 from kvcached.memory.cuda_ipc import DeviceInfo, map_device, normalize_pci_bus_id
 from kvcached.memory.kvevent import EventClock, EventStamper, KVEvent, OrderingError
 from kvcached.tasks import Task
+from kvcached.transfer import protocol as P
 from kvcached.transfer.executor import RankExecutor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -351,8 +352,8 @@ def test_cuda_worker_never_copies_on_its_socket_thread(tmp_path):
         w.executor.run = lambda task: {"bytes": 0}
         sock = Sock()
         sock.sent = []
-        w._run_task(sock, 1, "swap_out", [1], [2], {})
-        w._run_task(sock, 2, "noop", [], [], {})
+        w._run_task(sock, P.Task(1, "swap_out", [1], [2]))
+        w._run_task(sock, P.Task(2, "noop"))
         assert len(sock.sent) == (2 if inline else 1), device  # a noop always inline
         assert w.lanes["out"].tasks.qsize() == (0 if inline else 1), device
 
@@ -377,9 +378,7 @@ import os
 marker = os.environ.get("KVC_TEST_FATAL_MARKER")
 if marker:
     import kvcached.transfer.executor as executor
-    import kvcached.transfer.worker as worker
     from kvcached.copy.cuda import CudaContextBroken
-    worker.swap_server = lambda *a, **k: None  # every task through RankExecutor.run
     run = executor.RankExecutor.run
 
     def faulty(self, task):

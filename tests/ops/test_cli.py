@@ -176,7 +176,7 @@ def test_status_text_shows_workers_tiers_hits_transfers_storage_logs(engine):
             "back = 10.0% remembered by the ghost") in out
     assert "a larger tier would have served it" in out
     # The columns that are not self-explanatory are explained.
-    assert "fast: of those done, the ones the native fast path served" in out
+    assert "fast: of those, the ones run on the socket thread" in out
 
 
 def test_status_json(engine):

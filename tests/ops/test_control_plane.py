@@ -71,7 +71,7 @@ def exchange(run_dir: Path, frame: bytes) -> P.Message | None:
 
 def ctl_frame(op: str = "ping", args: dict | None = None, timeout_s=5.0) -> bytes:
     """A ctl request packed by hand: its numbers need not be valid."""
-    return msgpack.packb({"v": 1, "kind": "ctl", "op": op, "args": args or {},
+    return msgpack.packb({"v": P.PROTOCOL_VERSION, "kind": "ctl", "op": op, "args": args or {},
                           "timeout_s": timeout_s})
 
 

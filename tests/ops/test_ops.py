@@ -96,7 +96,9 @@ def test_control_server_answers_bad_frames_and_keeps_serving(ctl_server):
     d = mgr.run_dir
     hello = P.Hello(0, 1, P.PROTOCOL_VERSION, "x", 1, 1).encode()
     cases = [
-        ([b"", b"\xc1 not msgpack"], "not a valid msgpack frame"),
+        ([b"", b"\x9f\x01 not msgpack"], "not a valid msgpack frame"),
+        ([b"", b"\xc1 not binary"], "binary frame has v=32"),
+        ([b"", P.Task(1, "noop").encode()], "takes 'ctl' messages, got 'task'"),
         ([b"", msgpack.packb({"v": 99, "kind": "ctl"})], "protocol version mismatch"),
         ([b"", b"one", b"two"], "expected one msgpack frame"),
         ([b"", hello], "takes 'ctl' messages, got 'hello'"),

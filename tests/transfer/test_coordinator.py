@@ -464,8 +464,8 @@ def test_submitting_while_closing_never_hangs(workers_manager):
     assert late.wait(1) and not late.result.ok and "closed" in late.result.error
 
 
-def test_small_swaps_take_the_native_path_and_give_the_same_bytes(workers_manager):
-    """1-block swaps are served natively (fastpath), a 9-block one by the Python path
+def test_small_swaps_run_inline_and_give_the_same_bytes(workers_manager):
+    """1-block swaps run on the worker's socket thread, a 9-block one on its lane
     (more than INLINE_MAX_BLOCKS); each moves the right bytes."""
     from kvcached.tasks import Task
     from kvcached.transfer.worker import INLINE_MAX_BLOCKS

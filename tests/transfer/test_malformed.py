@@ -26,6 +26,7 @@ import pytest
 import torch
 import zmq
 from conftest import tiny_config, toks
+from helpers import binary_done_frame, binary_task_frame
 
 from kvcached import CacheManager
 from kvcached.memory import shm
@@ -36,6 +37,7 @@ from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint
 
 NUM_GPU, NUM_CPU = 8, 4
 NAN, INF = float("nan"), float("inf")
+SWAP_OUT, SWAP_IN, NOOP = 1, 2, 3  # binary kind codes
 # The worker must not give up on us while we think: the engine timeout is long.
 WORKER_CFG = dict(transfer_mode="workers", num_gpu_blocks=NUM_GPU, num_cpu_blocks=NUM_CPU,
                   num_layers=2, heartbeat_interval_s=0.2, worker_timeout_s=3.0,
@@ -73,7 +75,7 @@ def recv_reply(sock: zmq.Socket, timeout: float = REPLY_TIMEOUT_S, router: bool 
 
 
 def wire(kind: str, **fields) -> bytes:
-    return msgpack.packb({"v": 1, "kind": kind, **fields}, use_bin_type=True)
+    return msgpack.packb({"v": P.PROTOCOL_VERSION, "kind": kind, **fields}, use_bin_type=True)
 
 
 def task(task_id, task_kind, src=(), dst=(), args=None, **extra) -> bytes:
@@ -97,40 +99,39 @@ BAD_FRAMES = [
     ("trailing bytes", wire("shutdown", reason="x") + b"\x00", None),
     ("no version", msgpack.packb({"kind": "shutdown", "reason": ""}), None),
     ("wrong version", msgpack.packb({"v": 99, "kind": "shutdown", "reason": ""}), None),
-    ("no kind", msgpack.packb({"v": 1}), None),
+    ("no kind", msgpack.packb({"v": P.PROTOCOL_VERSION}), None),
     ("unknown kind", wire("teleport", task_id=1), None),
-    ("kind not a str", msgpack.packb({"v": 1, "kind": 7}), None),
+    ("kind not a str", msgpack.packb({"v": P.PROTOCOL_VERSION, "kind": 7}), None),
     ("int map keys", msgpack.packb({1: 1, 2: 2}), None),
     ("oversize frame", b"\x91" + b"\x00" * (9 << 20), None),
-    ("too many ids", task(30, "swap_out", range(70000), range(70000)), 30),
-    ("huge declared array", b"\xdd\xff\xff\xff\xff", None),
-    ("task_id not an int", task("thirty-one", "noop"), None),
+    ("too many ids", binary_task_frame(30, SWAP_OUT, range(70000), range(70000)), 30),
+    ("task_id not an int", task("thirty-one", "lookup", args={"keys": []}), None),
     ("unknown task kind", task(32, "teleport"), 32),
-    ("src not a list", wire("task", task_id=33, task_kind="swap_out", src="abc", dst=[0],
-                            args={}), 33),
-    ("bool block id", task(34, "swap_out", [True], [0]), 34),
-    ("float block id", task(35, "swap_out", [1.0], [0]), 35),
-    ("negative block id", task(36, "swap_out", [-1], [0]), 36),
-    ("id beyond int64", task(37, "swap_in", [0], [2**64 - 1]), 37),
-    ("missing field", wire("task", task_id=38, task_kind="noop", src=[], dst=[]), 38),
-    ("unknown field", task(39, "noop", extra_field=1), 39),
-    ("args not a map", wire("task", task_id=40, task_kind="noop", src=[], dst=[], args=[1]),
+    ("src not a list", wire("task", task_id=33, task_kind="store", src="abc", dst=[],
+                            args={"keys": ["k"]}), 33),
+    ("bool block id", task(34, "store", [True], args={"keys": ["k"]}), 34),
+    ("float block id", task(35, "store", [1.0], args={"keys": ["k"]}), 35),
+    ("negative block id", binary_task_frame(36, SWAP_OUT, [-1], [0]), 36),
+    ("id beyond int64", task(37, "load", [], [2**64 - 1], args={"keys": ["k"]}), 37),
+    ("missing field", wire("task", task_id=38, task_kind="lookup", src=[], dst=[]), 38),
+    ("unknown field", task(39, "lookup", args={"keys": []}, extra_field=1), 39),
+    ("args not a map", wire("task", task_id=40, task_kind="lookup", src=[], dst=[], args=[1]),
      40),
-    ("args nested too deep", task(41, "noop", args={"x": deep(6)}), 41),
-    ("device id == num_gpu_blocks", task(42, "swap_out", [NUM_GPU], [0]), 42),
-    ("host id == num_cpu_blocks", task(43, "swap_out", [0], [NUM_CPU]), 43),
-    ("host src out of range", task(44, "swap_in", [NUM_CPU + 5], [0]), 44),
-    ("device dst out of range", task(45, "swap_in", [0], [2**40]), 45),
-    ("length mismatch", task(46, "swap_out", [0, 1], [0]), 46),
-    ("duplicate host destinations", task(47, "swap_out", [0, 1], [2, 2]), 47),
-    ("duplicate device destinations", task(48, "swap_in", [0, 1], [3, 3]), 48),
+    ("args nested too deep", task(41, "lookup", args={"keys": [], "x": deep(6)}), 41),
+    ("device id == num_gpu_blocks", binary_task_frame(42, SWAP_OUT, [NUM_GPU], [0]), 42),
+    ("host id == num_cpu_blocks", binary_task_frame(43, SWAP_OUT, [0], [NUM_CPU]), 43),
+    ("host src out of range", binary_task_frame(44, SWAP_IN, [NUM_CPU + 5], [0]), 44),
+    ("device dst out of range", binary_task_frame(45, SWAP_IN, [0], [2**31 - 1]), 45),
+    ("length mismatch", binary_task_frame(46, SWAP_OUT, [0, 1], [0]), 46),
+    ("duplicate host destinations", binary_task_frame(47, SWAP_OUT, [0, 1], [2, 2]), 47),
+    ("duplicate device destinations", binary_task_frame(48, SWAP_IN, [0, 1], [3, 3]), 48),
     ("unknown control op", task(49, "control", args={"op": "self_destruct"}), 49),
     ("control op not a str", task(50, "control", args={"op": ["pause"]}), 50),
     ("store without keys", task(51, "store", [0]), 51),
     ("heartbeat wrong types", wire("heartbeat", sender=1, seq="x", time=0.0, info={}), None),
     # Non-finite and extreme numbers, in every numeric field a worker receives.
-    ("negative task id", task(-1, "noop"), None),
-    ("task id beyond int64", task(2**64 - 1, "noop"), None),
+    ("negative task id", task(-1, "lookup", args={"keys": []}), None),
+    ("task id beyond int64", task(2**64 - 1, "lookup", args={"keys": []}), None),
     ("NaN control timeout", task(52, "control", args={"op": "pause", "timeout_s": NAN}), 52),
     ("inf control timeout", task(53, "control", args={"op": "pause", "timeout_s": INF}), 53),
     ("inf load deadline", task(54, "load", [], [0], args={"keys": ["k"], "deadline_s": INF}),
@@ -139,8 +140,9 @@ BAD_FRAMES = [
                                     args={"keys": ["k"], "deadline_s": -1.0}), 55),
     ("huge load deadline", task(56, "load", [], [0],
                                 args={"keys": ["k"], "deadline_s": 1e308}), 56),
-    ("NaN in args", task(57, "noop", args={"x": NAN}), 57),
-    ("-inf deep in args", task(58, "swap_out", [0], [0], args={"x": [1, {"y": -INF}]}), 58),
+    ("NaN in args", task(57, "lookup", args={"keys": [], "x": NAN}), 57),
+    ("-inf deep in args", task(58, "store", [0], args={"keys": ["k"], "x": [1, {"y": -INF}]}),
+     58),
     ("heartbeat NaN time", wire("heartbeat", sender="c", seq=1, time=NAN, info={}), None),
     ("heartbeat inf time", wire("heartbeat", sender="c", seq=1, time=INF, info={}), None),
     ("heartbeat negative seq", wire("heartbeat", sender="c", seq=-1, time=1.0, info={}), None),
@@ -148,18 +150,36 @@ BAD_FRAMES = [
                                    info={"q": NAN}), None),
     ("done with NaN elapsed", wire("done", task_id=59, rank=0, ok=True, error="",
                                    blocks_done=0, elapsed_s=NAN, result={}), 59),
+    # Binary frames: every one a swap or noop task, one thing wrong with it.
+    ("binary wrong version", binary_task_frame(61, SWAP_OUT, [0], [0],
+                                               version=P.PROTOCOL_VERSION + 1), None),
+    ("binary unknown message type", binary_task_frame(62, SWAP_OUT, [0], [0], mtype=7), None),
+    ("binary preamble only", b"\xc1", None),
+    ("binary header cut", binary_task_frame(63, SWAP_OUT, [0], [0])[:20], None),
+    ("binary ids cut", binary_task_frame(64, SWAP_OUT, [0], [0])[:-2], 64),
+    ("binary trailing bytes", binary_task_frame(65, NOOP, [], []) + b"\x00" * 3, 65),
+    ("binary unknown kind", binary_task_frame(66, 77, [0], [0]), 66),
+    ("binary negative task id", binary_task_frame(-66, NOOP, [], []), None),
+    ("binary huge declared count", binary_task_frame(67, SWAP_IN, [0], [0],
+                                                     counts=(0, 0xFFFFFFFF, 1)), 67),
+    ("binary huge stamp count", binary_task_frame(68, SWAP_IN, [0], [0],
+                                                  counts=(0xFFFFFF, 1, 1)), 68),
+    ("binary negative stamp", binary_task_frame(69, SWAP_OUT, [0], [0], [(-1, 5)]), 69),
+    ("msgpack swap task", task(70, "swap_out", [0], [0]), 70),
+    ("msgpack noop task", task(71, "noop"), 71),
 ]
 
 
 def test_bad_frame_table_is_what_it_says():
     """The table's frames really are malformed (a typo would test nothing)."""
     limits = P.Limits(num_device_blocks=NUM_GPU, num_host_blocks=NUM_CPU)
-    for name, frame, _ in BAD_FRAMES:
+    for name, frame, task_id in BAD_FRAMES:
         if name.startswith("duplicate"):
             P.decode(frame, limits)  # valid on the wire: the copy engine refuses it
             continue
-        with pytest.raises(P.ProtocolError):
+        with pytest.raises(P.ProtocolError) as info:
             P.decode(frame, limits)
+        assert info.value.task_id == task_id, (name, info.value)
 
 
 class FakeCoordinator:
@@ -244,15 +264,15 @@ def test_worker_answers_every_bad_frame_and_keeps_serving(coordinator):
 
     for name, frame, task_id in BAD_FRAMES:
         reply = c.request(frame)
-        if isinstance(reply, P.Done):
-            assert task_id is not None and reply.task_id == task_id, (name, reply)
+        if task_id is not None:  # a task whose id could be read: its failed Done
+            assert isinstance(reply, P.Done) and reply.task_id == task_id, (name, reply)
             assert not reply.ok and reply.error, (name, reply)
         else:
             assert isinstance(reply, P.ErrorReply), (name, reply)
             assert reply.error and reply.detail, (name, reply)
         assert c.proc.poll() is None, f"worker died on {name!r}"
     # Failed tasks whose id could be read are answered as such: nobody waits on them.
-    dup = c.request(task(60, "swap_out", [0, 1], [1, 1]))
+    dup = c.request(binary_task_frame(60, SWAP_OUT, [0, 1], [1, 1]))
     assert isinstance(dup, P.Done) and not dup.ok and "host" in dup.error
 
     assert c.segments() == before, "a rejected frame changed shared memory"
@@ -313,10 +333,12 @@ def test_worker_whose_coordinator_vanishes_exits_within_engine_timeout(short_dir
 COORD_GARBAGE = [
     np.random.default_rng(1).bytes(100),
     b"",
-    msgpack.packb({"v": 1, "kind": "teleport"}),
+    msgpack.packb({"v": P.PROTOCOL_VERSION, "kind": "teleport"}),
     P.Hello(rank=9, pid=1, protocol=P.PROTOCOL_VERSION, layout_digest="x",
             num_device_blocks=1, num_host_blocks=1).encode(),
     P.Done(1, 9, ok=True).encode(),
+    binary_done_frame(1, elapsed_s=NAN),
+    P.Done(1, 0, True, "", 1, 0.1, {"bytes": 64, "finished": 1.0}).encode(),
 ]
 
 
@@ -414,7 +436,8 @@ def test_coordinator_refuses_bad_numbers_from_its_own_rank_and_keeps_serving(sho
         tid = sent.task_id
         done = dict(task_id=tid, rank=0, ok=True, error="", blocks_done=0, elapsed_s=0.1,
                     result={})
-        hello = dict(rank=0, pid=stand_in.pid, protocol=1, layout_digest=cfg.layout.digest,
+        hello = dict(rank=0, pid=stand_in.pid, protocol=P.PROTOCOL_VERSION,
+                     layout_digest=cfg.layout.digest,
                      num_device_blocks=8, num_host_blocks=8, restarts=0)
         bad = [wire("done", **{**done, "elapsed_s": v}) for v in (NAN, INF, -1.0, 1e308)]
         bad += [wire("done", **{**done, "rank": v}) for v in (-1, 70000)]
@@ -426,13 +449,21 @@ def test_coordinator_refuses_bad_numbers_from_its_own_rank_and_keeps_serving(sho
         bad += [wire("heartbeat", sender="rank-0", seq=1, time=1.0, info={"x": [INF]})]
         bad += [wire("hello", **{**hello, k: v})
                 for k, v in (("rank", -1), ("pid", 0), ("pid", 2**40), ("restarts", -1))]
+        # Binary dones of the task: each number out of range, or the frame broken.
+        bad += [binary_done_frame(tid, **{k: v}) for k, v in (
+            ("elapsed_s", NAN), ("elapsed_s", INF), ("elapsed_s", -1.0), ("finished", NAN),
+            ("finished", -INF), ("rank", 70000), ("blocks_done", -1), ("nbytes", -1),
+            ("pad", 1), ("version", P.PROTOCOL_VERSION + 1))]
+        bad += [binary_done_frame(tid)[:-1], binary_done_frame(tid) + b"\x00",
+                wire("done", **{**done, "result": {"bytes": 0, "finished": 1.0}})]
         for frame in bad:
             sock.send(frame)
             reply = dealer_recv(sock)
             assert isinstance(reply, P.ErrorReply), (frame, reply)
             assert not h.done() and mgr.stats().workers[0]["state"] == "ready"
-        sock.send(P.Done(tid, 0, elapsed_s=0.1).encode())
+        sock.send(P.Done(tid, 0, True, "", 0, 0.1, {"bytes": 0, "finished": 1.0}).encode())
         assert h.wait(10) and h.result.ok
+        assert h.result.per_rank[0]["finished"] == 1.0  # the binary done's numbers arrived
         assert mgr.stats().workers[0]["state"] == "ready"
     finally:
         sock.close()
