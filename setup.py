@@ -1,8 +1,9 @@
 """Native extensions, compiled at install (``pip install .``; ``make`` does it).
 
 Everything else about the package is in pyproject.toml. The native sources
-live under ``kvcached/native/``: ``core/`` for the cache core, ``cuda/`` for
-the CUDA sources a built package ships. Three extensions:
+live under ``kvcached/native/``: ``core/`` for the cache core, ``copy/`` for
+the CPU copy engine, ``cuda/`` for the CUDA sources a built package ships.
+Three extensions:
 
 - ``kvcached.core._core``, the cache core (``kvcached/native/core/``). It
   uses the public, documented C API only, but not only the limited API:
@@ -11,11 +12,12 @@ the CUDA sources a built package ships. Three extensions:
   docs/benchmarks.md), more than one abi3 binary is worth, so it is built per
   interpreter (3.11 and up; on a free-threaded build the module declares it
   needs no GIL: every call into it holds the manager's lock).
-- ``kvcached.copy._cpu_copy``, the CPU copy engine: a plain C library
-  (``cpu_copy.c``, no Python headers) that kvcached.copy.cpu calls through
-  ctypes, which releases the GIL for every call. ``cpu_copy_module.c`` only
-  gives the file an (empty) ``PyInit__cpu_copy`` so setuptools builds it and
-  the package finds it.
+- ``kvcached.copy._cpu_copy``, the CPU copy engine (``kvcached/native/copy/``):
+  ``cpu_copy.c`` is the copy itself, plain C that never touches Python (it
+  runs with the GIL released); ``module.c`` is the ``Engine`` type that
+  kvcached.copy.cpu makes and calls. Like the core, per interpreter (it
+  reads id lists in place) and without the GIL on free-threaded builds (an
+  ``Engine`` never changes once made).
 - ``kvcached.transfer._swap_wire``, the workers' swap fast path.
 
 A missing C compiler or missing Python headers fail the install here, with a
