@@ -1,8 +1,9 @@
 """Native extensions, compiled at install (``pip install .``; ``make`` does it).
 
 Everything else about the package is in pyproject.toml. The native sources
-live under ``kvcached/native/``: ``core/`` for the cache core, ``cuda/`` for
-the CUDA sources a built package ships. Two extensions:
+live under ``kvcached/native/``: ``core/`` for the cache core, ``copy/`` for
+the CPU copy engine, ``cuda/`` for the CUDA sources a built package ships.
+Two extensions:
 
 - ``kvcached.core._core``, the cache core (``kvcached/native/core/``). It
   uses the public, documented C API only, but not only the limited API:
@@ -11,11 +12,12 @@ the CUDA sources a built package ships. Two extensions:
   docs/benchmarks.md), more than one abi3 binary is worth, so it is built per
   interpreter (3.11 and up; on a free-threaded build the module declares it
   needs no GIL: every call into it holds the manager's lock).
-- ``kvcached.copy._cpu_copy``, the CPU copy engine: a plain C library
-  (``cpu_copy.c``, no Python headers) that kvcached.copy.cpu calls through
-  ctypes, which releases the GIL for every call. ``cpu_copy_module.c`` only
-  gives the file an (empty) ``PyInit__cpu_copy`` so setuptools builds it and
-  the package finds it.
+- ``kvcached.copy._cpu_copy``, the CPU copy engine (``kvcached/native/copy/``):
+  ``cpu_copy.c`` is the copy itself, plain C that never touches Python (it
+  runs with the GIL released); ``module.c`` is the ``Engine`` type that
+  kvcached.copy.cpu makes and calls. Like the core, per interpreter (it
+  reads id lists in place) and without the GIL on free-threaded builds (an
+  ``Engine`` never changes once made).
 
 A missing C compiler or missing Python headers fail the install here, with a
 message that names the fix: there is no slower fallback to hide it.
@@ -51,10 +53,13 @@ core = Extension(
     extra_compile_args=[*CFLAGS, "-fvisibility=hidden"],
 )
 
+COPY_DIR = "kvcached/native/copy"
 cpu_copy = Extension(
     "kvcached.copy._cpu_copy",
-    sources=["kvcached/copy/native/cpu_copy.c", "kvcached/copy/native/cpu_copy_module.c"],
-    extra_compile_args=[*CFLAGS, "-pthread"],
+    sources=[f"{COPY_DIR}/{f}.c" for f in ("module", "cpu_copy")],
+    depends=[f"{COPY_DIR}/cpu_copy.h"],
+    # Only PyInit__cpu_copy is exported, as for the core.
+    extra_compile_args=[*CFLAGS, "-pthread", "-fvisibility=hidden"],
     extra_link_args=["-pthread"],
 )
 

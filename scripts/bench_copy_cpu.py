@@ -2,7 +2,7 @@
 
 For 1, 16 and 256 blocks of the default layout (8 planes of 16 KiB), times
 swap_out and swap_in (random, non-contiguous block ids, all planes) through
-the engine (kvcached/copy/native/cpu_copy.c), next to one contiguous torch
+the engine (kvcached/native/copy/), next to one contiguous torch
 copy of a uint8 tensor of the same total size, in the same process. The
 engine is timed with 1 thread and with the default ``copy_threads`` (N); the copy
 baseline on 1 thread and on N torch threads. The headline (and the target,

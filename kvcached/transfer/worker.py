@@ -489,4 +489,4 @@ def _prepare(cfg: CacheConfig) -> None:
     import kvcached.memory.hostpool  # noqa: F401 (torch)
     import kvcached.memory.kvshare  # noqa: F401
     if cfg.device == "cpu" and cfg.num_cpu_blocks:
-        import kvcached.copy.cpu  # noqa: F401 (opens the native copy library)
+        import kvcached.copy.cpu  # noqa: F401 (loads the native copy engine)

@@ -1,12 +1,16 @@
-"""CpuCopyEngine (kvcached/copy/native/cpu_copy.c, built at install) against the
-reference copy (tests/reference/cpu_copy.py: torch slicing, block by block)."""
+"""CpuCopyEngine (the extension kvcached.copy._cpu_copy, kvcached/native/copy/,
+built at install) against the reference copy (tests/reference/cpu_copy.py:
+torch slicing, block by block), and the extension's own checks."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import shutil
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -137,7 +141,8 @@ def test_empty_task_moves_nothing():
     assert torch.equal(host, before)
 
 
-@pytest.mark.parametrize("n", [cpu.SMALL_IDS, 33])  # the short-list path and the numpy path
+# Up to 32 destinations are checked for duplicates pairwise, more with a bitmap.
+@pytest.mark.parametrize("n", [16, 33])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_give_the_same_bytes(threads, n):
     planes, rng = make_planes(BIG, 40), np.random.default_rng(3)
@@ -192,52 +197,68 @@ def test_bad_ids_raise_and_touch_nothing(case, direction):
     assert_refused_untouched(direction, dev, hst, msg)
 
 
-# Ids the short-list path must not hand to ctypes, which would wrap 2**64 + 1
-# to 1 or take True as 1: they go to the general path and fail there.
-SHORT_BAD_CASES = {
-    "wraps in int64": ([2**64 + 1], [0], "must be integers"),
+# Lists and tuples are read by the extension itself: every item must be an int
+# (or have __index__, as numpy's integers do), not a bool, and fit in int64.
+LIST_BAD_CASES = {
+    "past uint64": ([2**64 + 1], [0], "device block id 18446744073709551617 at index 0 does "
+                                      "not fit in int64"),
     "past int64": ([2**63], [0], "does not fit in int64"),
-    "bool": ([True], [0], "must be integers"),
-    "float": ([0], [1.0], "must be integers"),
+    "bool": ([True], [0], "device ids must be integers, got bool at index 0"),
+    "float": ([0], [1.0], "host ids must be integers, got float at index 0"),
+    "numpy float": ([0, np.float64(1)], [0, 1], "device ids must be integers, got "
+                                                "numpy.float64 at index 1"),
+    "None": ([0], [None], "host ids must be integers, got NoneType at index 0"),
+    "nested": ([[0]], [0], "device ids must be integers, got list at index 0"),
     "too large, last of 16": (list(range(5, -1, -1)) * 2 + [0, 1, 2, 6],
                               list(range(4)) * 4, "device block id 6 at index 15"),
-    "duplicate, last of 16": ([0] * 16, [0, 1, 2, 3] * 3 + [0, 1, 2, 0],
-                              "destination twice"),
+    "duplicate of 16 (pairwise)": ([0] * 16, [0, 1, 2, 3] * 4,
+                                   "block id 0 is a destination twice \\(indices 0 and 4\\)"),
+    "duplicate of 40 (bitmap)": ([0] * 40, [0, 1, 2, 3, 3] + [0] * 35,
+                                 "block id 3 is a destination twice \\(indices 3 and 4\\)"),
+    "length mismatch, 70 (heap)": ([0] * 70, [0] * 69, "70 device ids but 69 host ids"),
 }
 
 
+@pytest.mark.parametrize("as_tuple", [False, True])
 @pytest.mark.parametrize("direction", ["swap_out", "swap_in"])
-@pytest.mark.parametrize("case", list(SHORT_BAD_CASES))
-def test_short_list_bad_ids_raise_and_touch_nothing(case, direction):
-    dev, hst, msg = SHORT_BAD_CASES[case]
+@pytest.mark.parametrize("case", list(LIST_BAD_CASES))
+def test_list_bad_ids_raise_and_touch_nothing(case, direction, as_tuple):
+    dev, hst, msg = LIST_BAD_CASES[case]
     if direction == "swap_in" and case.startswith("duplicate"):
-        dev, hst = hst, dev  # the duplicate case names the device side: swap the roles
+        dev, hst = hst, dev  # the duplicate case names the destination side: swap the roles
+    if as_tuple:
+        dev, hst = tuple(dev), tuple(hst)
     assert_refused_untouched(direction, dev, hst, msg)
 
 
-def test_short_lists_skip_the_general_path(monkeypatch):
-    """Up to SMALL_IDS plain ints go straight to C; longer lists, tuples and numpy
-    ids take the general (numpy) checks. Both copy the same bytes."""
-    layout, n = LAYOUTS["bf16"], cpu.SMALL_IDS
+def test_lists_and_tuples_go_straight_to_the_extension(monkeypatch):
+    """Lists and tuples of any length, numpy integers among their items or not,
+    go to the extension as they are; any other sequence (numpy arrays of any
+    int dtype, ranges) becomes an int64 array first. All copy the same bytes."""
+    layout, n = LAYOUTS["bf16"], 70  # more than the extension's stack buffer (64)
     planes, host = make_planes(layout, n + 1), make_host(layout, n + 1)
     eng = engine(planes, host, layout)
-    general = []
-    check_ids = eng._check_ids
-    monkeypatch.setattr(eng, "_check_ids", lambda d, h: general.append(len(d)) or check_ids(d, h))
-    for ids, took_general in [([3], False), (list(range(n)), False), (list(range(n + 1)), True),
-                              ((3,), True), (np.array([3]), True), ([np.int64(3)], True)]:
-        general.clear()
+    converted = []
+    as_ids = cpu._as_ids
+    monkeypatch.setattr(cpu, "_as_ids", lambda ids, side: converted.append(side)
+                        or as_ids(ids, side))
+    for ids, took_numpy in [([3], False), ((3,), False), (list(range(n)), False),
+                            ([np.int64(3), np.int32(4)], False), (np.array([3]), True),
+                            (np.array([3, 5], dtype=np.int32), True),
+                            (np.arange(8)[::2], True), (range(3), True)]:
+        converted.clear()
         rev = list(ids)[::-1]
-        want = expected_host(host, planes, layout.host_offsets, list(ids), rev)
+        want = expected_host(host, planes, layout.host_offsets, [int(i) for i in ids],
+                             [int(i) for i in rev])
         assert eng.swap_out(ids, rev) == len(rev) * eng.bytes_per_block
         assert torch.equal(host, want)
-        assert bool(general) == took_general, ids
+        assert bool(converted) == took_numpy, ids
 
 
 def test_threads_share_an_engine():
-    """Threads calling one engine at once: each has its own id buffers (the C call
-    runs without the GIL), so no thread's ids leak into another's copy."""
-    workers, per, rounds = 4, cpu.SMALL_IDS, 30
+    """Threads calling one engine at once (the copy runs without the GIL): no
+    thread's ids leak into another's copy."""
+    workers, per, rounds = 4, 16, 30
     planes = make_planes(BIG, 2 * workers * per)  # worker w: sources, then targets
     host = torch.zeros(workers * per, BIG.block_bytes, dtype=torch.uint8)
     originals = snapshot(planes)
@@ -291,20 +312,7 @@ def test_bad_planes_and_pool_are_rejected():
         CpuCopyEngine(planes, host, layout.host_offsets[:-1])
 
 
-# ------------------------------------------------------------ native library
-def raw_call(eng: CpuCopyEngine, dev, host, direction=cpu.TO_HOST, offsets=None):
-    """kvc_cpu_copy with the engine's tables, bypassing every Python check."""
-    dev, host = np.asarray(dev, dtype=np.int64), np.asarray(host, dtype=np.int64)
-    offs = eng._offsets if offsets is None else np.asarray(offsets, dtype=np.int64)
-    err = ctypes.c_int64(123)
-    rc = eng._lib.kvc_cpu_copy(
-        eng._ptrs.ctypes.data, eng._strides.ctypes.data, eng._nbytes.ctypes.data,
-        offs.ctypes.data, len(eng.planes), eng.num_device_blocks, eng.host_pool.data_ptr(),
-        eng.host_block_bytes, eng.num_host_blocks, dev.ctypes.data, host.ctypes.data,
-        dev.size, direction, 1, ctypes.addressof(err))
-    return rc, err.value
-
-
+# ------------------------------------------------------------ the extension
 def native_case():
     """An engine over 6 device and 4 host blocks, with snapshots of both sides
     (to prove a refused call touched nothing)."""
@@ -314,66 +322,211 @@ def native_case():
         engine(planes, host, layout)
 
 
-def test_native_library_rejects_bad_ids_itself():
+def native_engine(eng: CpuCopyEngine, offsets=None, threads=1) -> _cpu_copy.Engine:
+    """An extension Engine over ``eng``'s memory, with nothing checked in Python."""
+    return _cpu_copy.Engine([p.data_ptr() for p in eng.planes], eng.stride_bytes,
+                            eng.plane_bytes, eng.host_offsets if offsets is None else offsets,
+                            eng.num_device_blocks, eng.host_pool.data_ptr(),
+                            eng.host_block_bytes, eng.num_host_blocks, threads,
+                            keep=(eng.planes, eng.host_pool))
+
+
+def test_the_c_copy_rejects_bad_input_itself():
+    """kvc_cpu_engine_copy (what Engine.copy and the transfer fast path call)
+    checks every id, the direction and the plane geometry on its own: called
+    without the extension's checks, it refuses and touches nothing."""
     layout, planes, host, planes_before, host_before, eng = native_case()
     bad_offsets = list(layout.host_offsets[:-1]) + [layout.block_bytes - 1]
-    cases = [  # (device ids, host ids, direction, offsets) -> (code, index)
-        (([0, 1, 6], [0, 1, 2], cpu.TO_HOST, None), (cpu.ERR_DEVICE_ID, 2)),
-        (([0, -1], [0, 1], cpu.TO_DEVICE, None), (cpu.ERR_DEVICE_ID, 1)),
-        (([0, 1], [-5, 1], cpu.TO_HOST, None), (cpu.ERR_HOST_ID, 0)),
-        (([0, 1], [0, 4], cpu.TO_DEVICE, None), (cpu.ERR_HOST_ID, 1)),
-        (([0], [0], 7, None), (-6, -1)),
-        (([0], [0], cpu.TO_HOST, bad_offsets), (-3, len(bad_offsets) - 1)),
+    raw = eng._native.unchecked_copy
+    cases = [  # (device ids, host ids, direction, engine) -> (code, index)
+        (([0, 1, 6], [0, 1, 2], cpu.TO_HOST, None), (_cpu_copy.ERR_DEVICE_ID, 2)),
+        (([0, -1], [0, 1], cpu.TO_DEVICE, None), (_cpu_copy.ERR_DEVICE_ID, 1)),
+        (([0, 1], [-5, 1], cpu.TO_HOST, None), (_cpu_copy.ERR_HOST_ID, 0)),
+        ((np.array([0, 1]), np.array([0, 4]), cpu.TO_DEVICE, None), (_cpu_copy.ERR_HOST_ID, 1)),
+        (([0], [0], 7, None), (_cpu_copy.ERR_DIRECTION, -1)),
+        (([0], [0], cpu.TO_HOST, bad_offsets), (_cpu_copy.ERR_PLANE, len(bad_offsets) - 1)),
     ]
-    for args, want in cases:
-        assert raw_call(eng, *args) == want, args
-        assert eng._lib.kvc_cpu_copy_strerror(want[0]) != b"unknown error code"
+    for (dev, hst, direction, offsets), want in cases:
+        call = raw if offsets is None else native_engine(eng, offsets).unchecked_copy
+        assert call(dev, hst, direction) == want, (dev, hst, direction)
+        assert _cpu_copy.strerror(want[0]) != "unknown error code"
     assert torch.equal(host, host_before)
     assert_planes_equal(planes, planes_before)
-    assert raw_call(eng, [2], [3]) == (0, -1)  # the same tables work for a good task
-    with pytest.raises(ValueError, match="device block id 9 at index 0"):
-        eng._copy_native(np.array([9]), np.array([0]), cpu.TO_HOST)
+    assert _cpu_copy.strerror(12345) == "unknown error code"
+    assert raw([2], [3], cpu.TO_HOST) == (_cpu_copy.OK, -1)  # the same engine, a good task
+    assert torch.equal(block_bytes(host, 3), expected_host(
+        host_before, planes, layout.host_offsets, [2], [3])[3])
 
 
-def test_native_engine_entry_rejects_bad_input_itself():
-    """kvc_cpu_engine_copy (the entry the engine calls) checks like kvc_cpu_copy."""
+def test_a_refusal_of_the_c_copy_is_a_value_error():
+    """An engine whose geometry only the C copy checks (the Engine type leaves it
+    to kvc_cpu_copy) fails every copy with the C side's words, touching nothing."""
+    layout, planes, host, planes_before, host_before, eng = native_case()
+    bad = native_engine(eng, list(layout.host_offsets[:-1]) + [layout.block_bytes - 1])
+    with pytest.raises(ValueError, match=r"native CPU copy rejected the task \(code -3: a "
+                       rf"plane's bytes.*\) at index {len(layout.plane_bytes) - 1}"):
+        bad.copy([0], [0], cpu.TO_HOST)
+    assert torch.equal(host, host_before)
+    assert_planes_equal(planes, planes_before)
+
+
+def test_the_extension_words_bad_ids_itself():
+    """Engine.copy checks and words every error CpuCopyEngine raises for ids,
+    for lists and int64 buffers alike, with no Python check before it."""
     _, planes, host, planes_before, host_before, eng = native_case()
-    no_threads = cpu._CpuEngine.from_buffer_copy(eng._engine)
-    no_threads.num_threads = 0
-
-    def call(dev, hst, direction=cpu.TO_HOST, table=eng._engine_ref):
-        dev, hst = np.asarray(dev, dtype=np.int64), np.asarray(hst, dtype=np.int64)
-        err = ctypes.c_int64(123)
-        rc = eng._copy_fn(table, ctypes.c_void_p(dev.ctypes.data),
-                          ctypes.c_void_p(hst.ctypes.data), ctypes.c_int64(dev.size),
-                          ctypes.c_int64(direction), ctypes.byref(err))
-        return rc, err.value
-
-    assert call([0, 1, 6], [0, 1, 2]) == (cpu.ERR_DEVICE_ID, 2)
-    assert call([0, -1], [0, 1], cpu.TO_DEVICE) == (cpu.ERR_DEVICE_ID, 1)
-    assert call([0, 1], [0, 4], cpu.TO_DEVICE) == (cpu.ERR_HOST_ID, 1)
-    assert call([0], [0], 7) == (-6, -1)
-    assert call([0], [0], table=None) == (-1, -1)  # NULL engine
-    assert call([0], [0], table=ctypes.byref(no_threads)) == (-2, -1)
+    copy = eng._native.copy
+    for dev, hst, direction, msg in [
+        (np.array([9]), np.array([0]), cpu.TO_HOST, "device block id 9 at index 0 is out of "
+         "range: allowed 0..5 \\(6 device blocks\\)"),
+        ([0, 1], np.array([1, 4]), cpu.TO_DEVICE, "host block id 4 at index 1 .*0\\.\\.3"),
+        (np.array([0, 1, 2]), [0, 1], cpu.TO_HOST, "3 device ids but 2 host ids"),
+        (np.array([0, 1]), np.array([2, 2]), cpu.TO_HOST, "host block id 2 is a destination "
+         "twice"),
+        (np.array([3, 3]), np.array([0, 1]), cpu.TO_DEVICE, "device block id 3 is a "
+         "destination twice"),
+        ([0], [0], 2, "direction must be 0 \\(device to host\\) or 1 \\(host to device\\), "
+         "got 2"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            copy(dev, hst, direction)
     assert torch.equal(host, host_before)
     assert_planes_equal(planes, planes_before)
-    assert call([2], [3]) == (0, -1)
+    assert copy(np.array([], dtype=np.int64), [], cpu.TO_HOST) == 0
 
 
-def test_native_call_releases_the_gil():
-    # ctypes drops the GIL around calls through CDLL, never through PyDLL.
-    assert isinstance(cpu.LIB, ctypes.CDLL) and not isinstance(cpu.LIB, ctypes.PyDLL)
+@pytest.mark.parametrize("ids, error, msg", [
+    (np.array([1], dtype=np.int32), ValueError, "device ids must be int64, got a buffer of "
+     "format 'i'"),
+    (np.array([1], dtype=np.uint64), ValueError, "must be int64, got a buffer of format 'L'"),
+    (np.array([1.0]), ValueError, "must be int64, got a buffer of format 'd'"),
+    (np.zeros((1, 1), dtype=np.int64), ValueError, "must be one-dimensional, got 2 dimensions"),
+    (np.arange(4)[::2], ValueError, "must be a C-contiguous int64 buffer"),
+    (b"\x00" * 8, ValueError, "must be int64, got a buffer of format 'B'"),
+    ({1}, TypeError, "device ids must be a list or tuple of ints or an int64 buffer, got set"),
+    (range(1), TypeError, "got range"),
+])
+def test_the_extension_refuses_other_id_containers(ids, error, msg):
+    """The extension reads lists, tuples and one-dimensional contiguous int64
+    buffers only (CpuCopyEngine converts anything else first)."""
+    _, planes, host, planes_before, host_before, eng = native_case()
+    with pytest.raises(error, match=msg):
+        eng._native.copy(ids, [0], cpu.TO_HOST)
+    assert torch.equal(host, host_before)
+    assert_planes_equal(planes, planes_before)
 
 
-def test_the_library_is_the_extension_built_at_install():
-    """cpu_copy.c is compiled by setup.py into kvcached.copy._cpu_copy, next to
-    cpu.py: nothing is compiled at run time, and there is no other copy path."""
-    built = Path(_cpu_copy.__file__)
-    assert built.parent == Path(cpu.__file__).parent
-    assert Path(cpu.LIB._name) == built
+def test_a_list_changed_while_read_is_refused():
+    """An item's __index__ runs Python code, which may shrink the list being
+    read: the read stops there instead of reading past its end."""
+    _, planes, host, planes_before, host_before, eng = native_case()
+    ids = [0, 1, 2]
+
+    class Shrinks:
+        def __index__(self):
+            del ids[1:]
+            return 0
+
+    ids[0] = Shrinks()
+    with pytest.raises(ValueError, match="device ids changed size while being read"):
+        eng._native.copy(ids, [0, 1, 2], cpu.TO_HOST)
+    assert torch.equal(host, host_before)
+    assert_planes_equal(planes, planes_before)
+
+
+def test_the_engine_type_checks_its_tables():
+    _, _, _, _, _, eng = native_case()
+    n = len(eng.planes)
+    with pytest.raises(ValueError, match="threads must be 1"):
+        native_engine(eng, threads=0)
+    with pytest.raises(ValueError, match=f"host_offsets has {n - 1} entries for {n} planes"):
+        native_engine(eng, offsets=eng.host_offsets[:-1])
+    with pytest.raises(ValueError, match="an engine needs 1"):
+        _cpu_copy.Engine([], [], [], [], 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="host address non-zero"):
+        _cpu_copy.Engine([1] * n, [1] * n, [1] * n, [0] * n, 1, 0, 1, 1)
+    with pytest.raises(TypeError, match="sequences of ints"):
+        _cpu_copy.Engine([1] * n, 5, [1] * n, [0] * n, 1, 1, 1, 1)
+    native = native_engine(eng, threads=3)
+    assert (native.num_device_blocks, native.num_host_blocks, native.num_planes,
+            native.threads, native.bytes_per_block) == (6, 4, n, 3, eng.bytes_per_block)
+
+
+def test_the_engine_keeps_the_memory_it_copies_alive():
+    """The extension's Engine holds the tensors it has addresses into, so it
+    stays safe to call after every other reference is gone, and lets them go
+    when it goes."""
+    layout = LAYOUTS["fp16"]
+    planes, host = make_planes(layout, 2), make_host(layout, 2)
+    want = expected_host(host, planes, layout.host_offsets, [1], [0])
+    native = engine(planes, host, layout)._native  # the CpuCopyEngine is gone
+    alive = [weakref.ref(t) for t in (*planes, host)]
+    host_bytes = np.frombuffer(host.numpy(), dtype=np.uint8)  # numpy's view of the bytes
+    del planes, host
+    gc.collect()
+    assert all(r() is not None for r in alive)
+    assert native.copy([1], [0], cpu.TO_HOST) == native.bytes_per_block
+    assert np.array_equal(host_bytes, want.numpy().ravel())
+    del native
+    gc.collect()
+    assert all(r() is None for r in alive)
+
+
+def test_the_copy_releases_the_gil():
+    """While one thread copies, another keeps running Python. Were the GIL held
+    for a copy, the other thread would stall for the whole of it: every copy
+    would hold a pause in the other thread at least as long as a copy alone
+    takes. One copy without a pause half that long proves the GIL released
+    (one, not all, and up to three tries: on a busy machine the scheduler
+    pauses threads too)."""
+    # 128 planes of 32 bytes: a copy of 2M small pieces (64 MiB) takes tens of
+    # ms, well above the pauses a busy machine's scheduler makes.
+    num, planes = 16384, [torch.zeros(16384, 32, dtype=torch.uint8) for _ in range(128)]
+    host = torch.zeros(num, 128 * 32, dtype=torch.uint8)
+    eng = CpuCopyEngine(planes, host, [32 * p for p in range(128)])
+    ids = np.random.default_rng(0).permutation(num).tolist()
+    for _ in range(3):
+        one_copy = min(timed(lambda: eng.swap_out(ids, ids)) for _ in range(3))
+        longest = pauses_during_copies(lambda: eng.swap_out(ids, ids), copies=5)
+        if min(longest) < one_copy / 2:
+            return
+    pytest.fail(f"a pause as long as a copy in every copy: one copy {one_copy:.4f} s, "
+                f"longest pauses {longest}")
+
+
+def pauses_during_copies(copy, copies: int) -> list[float]:
+    """The longest pause of this thread's Python loop during each of ``copies``
+    copies run by another thread."""
+    spans, stop = [], threading.Event()
+
+    def copier():
+        for _ in range(copies):
+            t0 = time.perf_counter()
+            copy()
+            spans.append((t0, time.perf_counter()))
+        stop.set()
+
+    notes = []
+    t = threading.Thread(target=copier)
+    t.start()
+    while not stop.is_set():
+        notes.append(time.perf_counter())
+    t.join()
+    return [float(np.diff([a, *(x for x in notes if a < x < b), b]).max()) for a, b in spans]
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def test_the_extension_is_built_at_install():
+    """kvcached/native/copy/ is compiled by setup.py into kvcached.copy._cpu_copy,
+    next to cpu.py: nothing is compiled at run time, and there is no other copy path."""
+    assert Path(_cpu_copy.__file__).parent == Path(cpu.__file__).parent
     layout = LAYOUTS["fp16"]
     eng = engine(make_planes(layout, 2), make_host(layout, 2), layout)
-    assert eng._copy_fn is cpu.LIB.kvc_cpu_engine_copy
+    assert type(eng._native) is _cpu_copy.Engine
 
 
 # ------------------------------------------------- against the reference copy

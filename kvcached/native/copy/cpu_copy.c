@@ -1,45 +1,21 @@
 /*
  * kvcached CPU copy engine: move KV blocks between device planes and the
- * block-major host pool with memcpy, one call per task.
+ * block-major host pool with memcpy, one call per task (cpu_copy.h has the
+ * layout and the API).
  *
- * No Python headers: the library is loaded with ctypes, which releases the
- * GIL for the whole call, so a worker's other threads keep running while
- * blocks move. Every argument and every block id is validated before the
- * first byte is copied (the Python wrapper checks too; this is defence in
- * depth, so a bug upstream fails the task instead of corrupting memory).
- *
- * Layout (see kvcached/layout.py):
- *   device plane p, block b: plane_ptrs[p] + b * plane_stride_bytes[p],
- *                            plane_bytes[p] contiguous bytes
- *   host block h, plane p:   host + h * host_block_bytes + host_offsets[p]
- *
- * Built at install by setup.py, with cpu_copy_module.c, into the extension
- * kvcached.copy._cpu_copy (-O3 -std=c11 -Wall -Wextra -Werror -pthread);
- * kvcached/copy/cpu.py opens that file with ctypes.CDLL.
+ * Plain C, no Python headers: module.c calls it with the GIL released, so a
+ * worker's other threads keep running while blocks move. Every argument and
+ * every block id is validated before the first byte is copied (module.c
+ * checks too, to word the errors; this is defence in depth, so a bug in any
+ * caller fails the task instead of corrupting memory).
  */
 #define _POSIX_C_SOURCE 200809L
+
+#include "cpu_copy.h"
 
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
-
-/* The C API stays visible whatever visibility the build defaults to. */
-#if defined(__GNUC__)
-#define KVC_API __attribute__((visibility("default")))
-#else
-#define KVC_API
-#endif
-
-#define KVC_OK 0
-#define KVC_ERR_NULL (-1)          /* a required pointer is NULL */
-#define KVC_ERR_ARG (-2)           /* num_planes, n, sizes or threads out of range */
-#define KVC_ERR_PLANE (-3)         /* a plane's bytes/stride/host offset are inconsistent */
-#define KVC_ERR_DEVICE_ID (-4)     /* a device block id is out of range */
-#define KVC_ERR_HOST_ID (-5)       /* a host block id is out of range */
-#define KVC_ERR_DIRECTION (-6)     /* direction is neither 0 nor 1 */
-
-#define KVC_DIR_TO_HOST 0   /* swap out: device -> host */
-#define KVC_DIR_TO_DEVICE 1 /* swap in: host -> device */
 
 /* A thread is only worth its start-up cost (~20 us) for this much copying. */
 #define KVC_MIN_BYTES_PER_THREAD ((int64_t)256 * 1024)
@@ -58,30 +34,13 @@ typedef struct {
     int32_t direction;
 } kvc_task;
 
-/* Everything about an engine that does not change between calls, built once
- * by the Python wrapper: a call then passes one pointer instead of nine
- * arguments (ctypes converts every argument on every call). Field order and
- * types are mirrored by _CpuEngine in kvcached/copy/cpu.py. */
-typedef struct {
-    const uint64_t* plane_ptrs;
-    const int64_t* plane_stride_bytes;
-    const int64_t* plane_bytes;
-    const int64_t* host_offsets;
-    int64_t num_planes;
-    int64_t num_device_blocks;
-    uint8_t* host;
-    int64_t host_block_bytes;
-    int64_t num_host_blocks;
-    int64_t num_threads;
-} kvc_cpu_engine;
-
 typedef struct {
     const kvc_task* task;
     int64_t begin; /* flattened (pair, plane) item range [begin, end) */
     int64_t end;
 } kvc_chunk;
 
-KVC_API const char* kvc_cpu_copy_strerror(int code) {
+const char* kvc_cpu_copy_strerror(int code) {
     switch (code) {
         case KVC_OK: return "ok";
         case KVC_ERR_NULL: return "a required pointer argument is NULL";
@@ -179,7 +138,6 @@ static void run_threaded(const kvc_task* t, int64_t items, int64_t threads) {
     }
 }
 
-KVC_API
 int kvc_cpu_copy(const uint64_t* plane_ptrs, const int64_t* plane_stride_bytes,
                  const int64_t* plane_bytes, const int64_t* host_offsets, int32_t num_planes,
                  int64_t num_device_blocks, uint8_t* host, int64_t host_block_bytes,
@@ -214,9 +172,6 @@ int kvc_cpu_copy(const uint64_t* plane_ptrs, const int64_t* plane_stride_bytes,
     return KVC_OK;
 }
 
-/* kvc_cpu_copy with the engine's tables taken from *e; the same checks and
- * codes. n and direction are int64_t so callers can pass any integer. */
-KVC_API
 int kvc_cpu_engine_copy(const kvc_cpu_engine* e, const int64_t* device_ids,
                         const int64_t* host_ids, int64_t n, int64_t direction,
                         int64_t* err_index) {
