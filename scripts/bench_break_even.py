@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import ROOT, load_script, log  # noqa: E402
+from _bench_util import load_script, log  # noqa: E402
 
 FULL = dict(layers=6, hidden=1024, kv_mb=56, blocks=(1, 2, 4, 8, 16, 32), prompts=3)
 QUICK = dict(layers=2, hidden=128, kv_mb=6, blocks=(1, 4), prompts=1, one_process=True)
@@ -120,13 +120,12 @@ def run_child(name: str, model: str, p: dict, connector: dict, phase: str) -> di
 
 
 def connector(run_dir: Path, backend: str, url: str) -> dict:
-    return {"kv_connector": "KvcachedConnector",
-            "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"num_cpu_blocks": 1024, "run_dir": str(run_dir),
-                                          "storage_backend": backend, "storage_url": url,
-                                          # a cold lookup here is not what is measured
-                                          "storage_lookup_timeout_s": 10.0}}
+    """bench_vllm's kvcached connector on ``backend``; a cold lookup here is not
+    what is measured, so it may take its time."""
+    conn = load_script("bench_vllm").kvcached_connector(run_dir, Path(url), 1024)
+    conn["kv_connector_extra_config"].update(storage_backend=backend, storage_url=url,
+                                             storage_lookup_timeout_s=10.0)
+    return conn
 
 
 def summarize(rows: dict, bs: int) -> dict:
@@ -147,22 +146,6 @@ def summarize(rows: dict, bs: int) -> dict:
             break
         even = k
     return {"per_blocks": per_k, "break_even_blocks": even}
-
-
-def redis_url(work: Path):
-    """A local Redis server's URL and its handle, or (None, why)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from conftest_storage import NO_REDIS_REASON, REDIS_SERVER, RedisServer
-    except ImportError as e:
-        return None, f"cannot start Redis here ({e})"
-    if REDIS_SERVER is None:
-        return None, NO_REDIS_REASON
-    (work / "redis").mkdir()
-    try:
-        return RedisServer(work / "redis").start(), None
-    except (RuntimeError, TimeoutError) as e:
-        return None, str(e)
 
 
 def main() -> None:
@@ -196,7 +179,7 @@ def main() -> None:
         for backend in backends:
             server, url = None, str(work / "store")
             if backend == "redis":
-                server, why = redis_url(work)
+                server, why = load_script("bench_fleet").redis_server(work)
                 if server is None:
                     log(f"redis: skipped: {why}")
                     out["skipped"]["redis"] = why
