@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,18 +51,14 @@ class TaskHandle:
     passes.
     """
 
-    __slots__ = ("task", "result", "_pending", "_sink", "_waiter")
+    __slots__ = ("task", "result", "_pending", "_sink")
 
-    def __init__(self, task: Task, sink: collections.deque,
-                 waiter: Callable[[TaskHandle, float | None], bool] | None = None):
+    def __init__(self, task: Task, sink: collections.deque):
         self.task = task
         self.result: TaskResult | None = None
         self._pending = threading.Lock()  # the C lock itself: no Python wrapper
         self._pending.acquire()  # released by complete()
         self._sink = sink
-        # How the transfer waits for its tasks, when not just on the lock: a
-        # WorkerTransfer lets the waiting thread read the answers itself.
-        self._waiter = waiter
 
     def done(self) -> bool:
         return self.result is not None
@@ -72,12 +67,6 @@ class TaskHandle:
         """True when completed within ``timeout`` seconds."""
         if self.result is not None:
             return True
-        if self._waiter is not None:
-            return self._waiter(self, timeout)
-        return self.wait_completed(timeout)
-
-    def wait_completed(self, timeout: float | None = None) -> bool:
-        """Sleep until another thread completes the handle (or ``timeout`` s pass)."""
         got = self._pending.acquire(True, -1 if timeout is None else max(timeout, 0.0))
         if got:
             self._pending.release()

@@ -14,7 +14,7 @@ In one run:
     ROUTER sends the same bytes to N echo processes (DEALER, identity
     ``rank-<r>``) and waits for all N replies. Both run at once and are timed
     in alternating chunks of 100 calls, so that the ratio compares the two
-    under the same load of this shared machine. Target: p50 at TP=4 <= 2x the
+    under the same load of this shared machine. Target: p50 at TP=4 <= 1.5x the
     raw barrier round trip. The layout is tiny (64 bytes per block) so the copy
     itself is negligible and the comparison is about the task machinery.
 
@@ -36,7 +36,7 @@ from _bench_util import emit, load_script, log, percentile, short_tmp_dir
 
 TP_SIZES = (1, 2, 4)
 TARGET_COPY_RATIO = 0.9
-TARGET_LATENCY_RATIO = 2.0
+TARGET_LATENCY_RATIO = 1.5
 TINY = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32",
             num_gpu_blocks=64, num_cpu_blocks=64, transfer_mode="workers",
             create_cache=True, storage_backend=None, worker_start_timeout_s=120.0,
