@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 from kvcached.tasks import Task, TaskHandle, TaskResult
@@ -156,3 +158,21 @@ def binary_done_frame(task_id: int, rank: int = 0, blocks_done: int = 1, nbytes:
     from kvcached.transfer import protocol as P
     return struct.pack("<BBBBIqqqdd", 0xC1, P.PROTOCOL_VERSION if version is None else version,
                        2, pad, rank, task_id, blocks_done, nbytes, elapsed_s, finished)
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.status == 200
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample; AssertionError listing the text if it is missing."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(r"([a-z_]+)(?:\{(.*)\})? (\S+)$", line)
+        if m and m.group(1) == name:
+            have = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
+            if have == want:
+                return float(m.group(3))
+    raise AssertionError(f"no sample {name}{{{want}}} in:\n{text}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcached.transfer.lanes import LANES as LANE_NAMES
+
 # What each storage counter of the manager (stats.storage) means.
 STORAGE_COUNTERS = {
     "stored": "blocks written to storage",
@@ -86,12 +88,12 @@ def _workers_table(workers: list[dict]) -> list[str]:
         queues = w.get("queues") or {}
         rows.append([w.get("rank", "?"), w.get("pid", "?"), w.get("state", "?"),
                      f"{w.get('last_seen_s', 0):.1f}s ago",
-                     "/".join(str(queues.get(k, 0)) for k in ("out", "in", "storage", "ctl")),
+                     "/".join(str(queues.get(k, 0)) for k in LANE_NAMES),
                      w.get("restarts", 0), w.get("done", "-"), w.get("fast", "-"),
                      w.get("failed", "-"), w.get("lost_reason", "")])
     return (["workers:"]
-            + _table(["rank", "pid", "state", "heartbeat", "queues out/in/storage/ctl", "restarts",
-                      "done", "fast", "failed", "lost reason"], rows)
+            + _table(["rank", "pid", "state", "heartbeat", "queues " + "/".join(LANE_NAMES),
+                      "restarts", "done", "fast", "failed", "lost reason"], rows)
             + ["  queues: tasks waiting or running per lane; restarts: since start; "
                "done/failed: tasks this",
                "  process ran; fast: of those, the ones run on the socket thread as they "

@@ -32,6 +32,7 @@ system, so no process answers from a stale index.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -210,7 +211,10 @@ class FileBackend(StorageBackend):
         return n
 
     def _put_from(self, keys: list[str], parts: list[list[memoryview]]) -> list[bool]:
-        return self._map(self._put_one, keys, parts)
+        # One ledger wait per batch: a holder that stopped (SIGSTOP) fails the
+        # batch after timeout_s, not each of its objects after timeout_s in turn.
+        deadline = time.monotonic() + self._ledger.timeout_s
+        return self._map(functools.partial(self._put_one, deadline=deadline), keys, parts)
 
     def _map(self, fn, keys: list[str], parts: list[list[memoryview]]) -> list:
         if self.io_threads == 1 or len(keys) < 4:
@@ -222,7 +226,7 @@ class FileBackend(StorageBackend):
             pool = self._pool
         return list(pool.map(fn, keys, parts))
 
-    def _put_one(self, key: str, parts: list[memoryview]) -> bool:
+    def _put_one(self, key: str, parts: list[memoryview], deadline: float) -> bool:
         size = parts_len(parts)
         if self.max_bytes and size > self.max_bytes:
             self.counters.inc("oversize_objects")
@@ -232,7 +236,7 @@ class FileBackend(StorageBackend):
                            f"{TMP_PREFIX}{os.getpid()}-{next(_counter)}")
         try:
             self._write_tmp(tmp, parts)
-            with self._ledger.locked():
+            with self._ledger.locked(deadline):
                 old = _size_of(path)
                 os.rename(tmp, path)  # atomic: readers see the old object, the new one, or none
                 self._remember(key, size, touch=True)

@@ -40,14 +40,17 @@ class SharedLedger:
         self._threads = threading.Lock()
 
     @contextmanager
-    def locked(self) -> Iterator[SharedLedger]:
+    def locked(self, deadline: float | None = None) -> Iterator[SharedLedger]:
         """Hold the ledger exclusively (this process' threads and other processes).
-        Raises TimeoutError naming the file when another holder keeps it too long."""
-        if not self._threads.acquire(timeout=self.timeout_s):
+        Raises TimeoutError naming the file when another holder keeps it past
+        ``deadline`` (a ``time.monotonic()`` value; default ``timeout_s`` from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"{self.path}: another thread held the ledger for "
                                f"{self.timeout_s:.0f}s")
         try:
-            self._flock()
+            self._flock(deadline)
             try:
                 yield self
             finally:
@@ -55,9 +58,9 @@ class SharedLedger:
         finally:
             self._threads.release()
 
-    def _flock(self) -> None:
+    def _flock(self, deadline: float) -> None:
         """LOCK_EX with a deadline (flock itself has none): short polls, backing off."""
-        deadline, pause = time.monotonic() + self.timeout_s, 0.0002
+        pause = 0.0002
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

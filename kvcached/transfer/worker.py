@@ -7,11 +7,18 @@ Threads and sockets (each socket has exactly one owning thread):
                   lanes, sends Done/Heartbeat, watches for the engine's death
     lane "out"    swap_out, in arrival order            (own PUSH socket)
     lane "in"     swap_in, in arrival order             (own PUSH socket)
-    lane "storage" store / load / lookup, in order      (own PUSH socket)
+    lane "load"   lookup / load (storage reads), in order (own PUSH socket)
+    lane "store"  store (storage writes), in order      (own PUSH socket)
     lane "ctl"    control operations and noop           (own PUSH socket)
 
-Storage has a lane of its own: a slow or frozen store server delays storage
+Storage has lanes of its own: a slow or frozen store server delays storage
 tasks only, never the copies between the engine's blocks and the CPU tier.
+Reads and writes are apart because a request waits for a read (its lookup
+has a deadline of a scheduler step or two) and nobody waits for a write: a
+write-through of a long prompt, or a write stuck on the store, must not turn
+the next request's hit into a miss. The manager keeps the host blocks a
+store reads busy until it finishes and loads only into free ones, so the
+two lanes never touch the same block.
 
 A bad frame gets an error reply and the worker keeps running; a failed copy
 is a failed Done (copy engines check ids before touching memory). A fatal
@@ -39,12 +46,10 @@ from kvcached.transfer import protocol as P
 from kvcached.transfer.control import WorkerControl
 from kvcached.transfer.endpoints import CONFIG_FILE, ENGINE_FILE, coordinator_endpoint
 from kvcached.transfer.executor import RankExecutor
+from kvcached.transfer.lanes import LANE_OF, LANES
 
 logger = logging.getLogger(__name__)
 
-LANE_OF = {"swap_out": "out", "store": "storage", "swap_in": "in", "load": "storage",
-           "lookup": "storage", "control": "ctl", "noop": "ctl"}
-LANES = ("out", "in", "storage", "ctl")
 HELLO_RETRY_S = 1.0
 EXIT_REFUSED = 3  # exit code when the coordinator refused our hello (the launcher reads it)
 EXIT_FATAL = 4  # a task hit a fatal error (a broken CUDA context): restart me

@@ -435,7 +435,7 @@ def test_block_requests_with_namespace_use_the_managers_keys():
 def test_status_and_metrics_show_the_policy_and_its_ghost(tmp_path, policy):
     """A GPU + CPU manager that evicted, and whose tiers saw evicted blocks come
     back: stats().policy, `kvcached status`'s text and /metrics agree."""
-    from test_ops import metric, scrape
+    from helpers import metric, scrape
 
     from kvcached.ops.metrics import MetricsServer
     from kvcached.ops.statusview import render_status

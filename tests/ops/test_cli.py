@@ -37,7 +37,7 @@ STATUS = {
     },
     "workers": [
         {"rank": 0, "pid": 4242, "state": "ready", "last_seen_s": 0.2, "restarts": 0,
-         "queues": {"out": 3, "in": 1, "storage": 2, "ctl": 0}, "done": 17, "fast": 15, "failed": 0,
+         "queues": {"out": 3, "in": 1, "load": 2, "store": 5, "ctl": 0}, "done": 17, "fast": 15, "failed": 0,
          "storage": {"kind": "file", "loaded": 5, "stored": 12, "already_stored": 4,
                      "used_bytes": 3 * 2**20, "objects": 24, "lookups": 7, "found": 9,
                      "max_bytes": 2**30, "errors": 1, "breaker": "",
@@ -154,7 +154,7 @@ def test_status_text_shows_workers_tiers_hits_transfers_storage_logs(engine):
     assert "coordinator: 4 tasks held, 1 in flight, healthy" in out
     lines = out.splitlines()
     rank0 = next(line for line in lines if "4242" in line).split()
-    assert rank0 == ["0", "4242", "ready", "0.2s", "ago", "3/1/2/0", "0", "17", "15", "0"]
+    assert rank0 == ["0", "4242", "ready", "0.2s", "ago", "3/1/2/5/0", "0", "17", "15", "0"]
     assert "silent for 9.5s" in next(line for line in lines if "4343" in line)
     assert next(line for line in lines if line.strip().startswith("cpu")).split() == \
         ["cpu", "256", "100", "156", "100"]

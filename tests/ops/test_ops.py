@@ -11,7 +11,6 @@ to its KV events. Every wait polls with a deadline.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -28,7 +27,7 @@ import pytest
 import zmq
 from click.testing import CliRunner
 from conftest import toks
-from helpers import pid_alive, wait_for
+from helpers import metric, pid_alive, scrape, wait_for
 
 from kvcached.ops.cli import main
 from kvcached.ops.ctlserver import ControlServer, request
@@ -194,24 +193,6 @@ def test_kv_event_arguments_and_endpoints_are_checked(tmp_path):
 
 
 # ------------------------------------------------------------------- metrics
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        assert r.status == 200
-        return r.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float:
-    """The value of one sample; AssertionError listing the text if it is missing."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        m = re.match(r"([a-z_]+)(?:\{(.*)\})? (\S+)$", line)
-        if m and m.group(1) == name:
-            have = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
-            if have == want:
-                return float(m.group(3))
-    raise AssertionError(f"no sample {name}{{{want}}} in:\n{text}")
-
-
 def test_metrics_from_a_fake_manager():
     from test_cli import STATUS
 

@@ -221,3 +221,41 @@ def test_restart_hits_from_redis(tmp_path):
             check_bytes(mgr, a, 47)
     finally:
         srv.stop()
+
+
+def test_reads_never_wait_behind_a_stuck_write(tmp_path):
+    """A worker reads storage (lookups, loads) on a lane of its own: a write
+    that cannot finish (another writer holds the file store's ledger) does not
+    turn the next request's storage hit into a miss, and lands once it can."""
+    import fcntl
+
+    # room in both tiers for the stuck write's blocks and the load's
+    cfg = dict(transfer_mode="workers", tp_size=1, heartbeat_interval_s=0.1,
+               worker_timeout_s=5.0, task_timeout_s=30.0, num_gpu_blocks=128,
+               num_cpu_blocks=128)
+    compute_and_store(storage_cfg(tmp_path, "a", **cfg))
+    other = [(i * 104729 + 11) % 32000 for i in range(768)]  # 48 blocks nobody stored
+    with CacheManager(storage_cfg(tmp_path, "b", **cfg)) as mgr:
+        ledgers = [open(p, "rb") for p in (tmp_path / "store").glob(".usage*")]
+        assert ledgers, "the file store keeps its ledger next to the objects"
+        for f in ledgers:  # writes now wait for the ledger (up to its 10 s timeout)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            a = mgr.allocate("writer", other)
+            a.wait(timeout=30)
+            mgr.commit("writer", other, len(other))  # its write-through is stuck
+            mgr.free("writer")
+            b = mgr.allocate("again", PROMPT)  # a lookup, then a load, after the write
+            assert b.hit.storage_tokens == 752
+            b.wait(timeout=30)
+            assert b.num_cached_tokens == 752
+            check_bytes(mgr, b, 47)
+            assert mgr.stats().storage.get("stored", 0) == 0  # the write still waits
+        finally:
+            for f in ledgers:
+                f.close()  # releases the flock
+        mgr.commit("again", PROMPT, len(PROMPT))
+        mgr.free("again")
+    # close() waited for the write: the writer's 48 blocks, and the one block
+    # "again" computed
+    assert mgr.stats().storage["stored"] == 49

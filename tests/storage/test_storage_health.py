@@ -9,8 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 from conftest import tiny_config
-from helpers import wait_for
-from test_ops import metric, scrape
+from helpers import metric, scrape, wait_for
 
 from kvcached import CacheManager
 from kvcached.core.hashing import block_hashes, namespace_hash

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,23 @@ def test_a_stuck_holder_fails_writes_instead_of_hanging(tmp_path):
     assert "held the ledger" in b.stats()["last_error"]
     assert [p for p in root.rglob(f"{TMP_PREFIX}*")] == []
     assert b.put_from([key("b", 0)], [payload("b", 0)]) == [True]
+
+
+def test_a_stuck_holder_fails_a_batch_in_one_timeout(tmp_path):
+    """The objects of one write share the ledger's timeout: a write of 40
+    blocks against a stuck holder fails after one timeout, not forty (a
+    worker's write must end long before its task times out)."""
+    root = tmp_path / "store"
+    a, b = FileBackend(root), FileBackend(root)
+    b._ledger.timeout_s = 0.1
+    n = 40
+    with a._ledger.locked():
+        t0 = time.monotonic()
+        assert b.put_from([key("b", i) for i in range(n)],
+                          [payload("b", i) for i in range(n)]) == [False] * n
+        took = time.monotonic() - t0
+    assert took < n * b._ledger.timeout_s / 4, took  # one timeout each: 4 s
+    assert [p for p in root.rglob(f"{TMP_PREFIX}*")] == []
 
 
 # ------------------------------------------------------------------ SIGKILL
