@@ -17,6 +17,17 @@ from kvcached.tasks import TaskHandle, TaskResult, merge_results
 from kvcached.transfer.inprocess import InProcessTransfer
 
 
+class HeldStore(TaskHandle):
+    """A store that runs when someone waits for it (or the test releases it)."""
+
+    __slots__ = ("run",)
+
+    def wait(self, timeout=None) -> bool:
+        if self.result is None:
+            self.run(self)
+        return super().wait(timeout)
+
+
 class SlowStores(InProcessTransfer):
     """In-process copies, but a store runs (and completes) only when waited on
     or released: stores stay in flight across calls, as with worker processes."""
@@ -28,17 +39,17 @@ class SlowStores(InProcessTransfer):
     def submit(self, task):
         if task.kind != "store":
             return super().submit(task)
-        handle = TaskHandle(task, self.completed, self._run)
+        handle = HeldStore(task, self.completed)
+        handle.run = self._run
         task.task_id = next(self._ids)
         self.held.append(handle)
         return handle
 
-    def _run(self, handle: TaskHandle, timeout=None) -> bool:
+    def _run(self, handle: TaskHandle) -> None:
         self.held.remove(handle)
         per_rank = {ex.rank: ex.run(handle.task) for ex in self.executors}
         handle.complete(TaskResult(handle.task.task_id, True, "", per_rank=per_rank,
                                    result=merge_results(per_rank)))
-        return True
 
     def release(self, n: int) -> None:
         for h in self.held[:n]:
