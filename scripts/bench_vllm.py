@@ -30,7 +30,7 @@ dominate as it does on real models):
    connector changes nothing in the process but where the KV cache lives
    (shared memory, through vLLM's ``get_mem_pool_context``).
    ``--no-reuse-only`` runs just these.
-4. Scheduler time. 64 requests running at once: the time vLLM's scheduler
+4. Scheduler time. 64 requests running at once (128 steps and more, so that p99 is not the worst step): the time vLLM's scheduler
    spends in kvcached per step, p50/p99 (target p99 <= 1 ms), as
    ``kvcached status`` reports it: wall time, and that thread's CPU time (the
    rest is waiting for a core or for the GIL). ``--busy-only`` runs just this.
@@ -93,7 +93,7 @@ BS = 32  # vLLM's CPU attention needs a multiple of 32
 FULL = dict(layers=6, hidden=1024, hit_prompts=4, hit_len=2000, hit_rounds=3,
             users=8, turns=5, system=256, first_len=1024, turn_len=256, answer=32, kv_mb=56,
             noreuse=8, noreuse_len=1000, noreuse_out=32, noreuse_rounds=3,
-            busy=64, busy_len=256, busy_out=32, busy_kv_mb=256)
+            busy=64, busy_len=256, busy_out=128, busy_kv_mb=256)
 QUICK = dict(layers=2, hidden=128, hit_prompts=2, hit_len=600, hit_rounds=2,
              users=3, turns=3, system=64, first_len=192, turn_len=64, answer=8, kv_mb=6,
              noreuse=4, noreuse_len=300, noreuse_out=8, noreuse_rounds=1,

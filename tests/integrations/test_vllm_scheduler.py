@@ -5,7 +5,8 @@ nothing in flight it returns at once. (vLLM's own runs of it: the storage
 hits of tests/integrations/test_vllm_conformance.py and ``bench_vllm``.) And
 what it does at close: the saves vLLM's last steps planned land first
 (``SchedulerHalf._drain_saves``; vLLM's own run of it: the producer that
-exits at once, in the conformance module)."""
+exits at once, in the conformance module). And which blocks vLLM may wait
+for rather than preempt (``SchedulerHalf.pending_block_frees``)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def half_with(lookup_handle=None, load_handle=None) -> S.SchedulerHalf:
     if load_handle is not None:
         t.loads.append(S.Load(plan=None, parts=[S.Part(batch=load_handle)]))
     half.reqs = {"r": t}
+    half.loading = {"r": t} if t.loads else {}
     return half
 
 
@@ -133,3 +135,31 @@ def test_close_with_two_batches_in_flight_keeps_the_last_steps_saves():
     half.step = 3
     half.close()
     assert mgr.saved == [[2]] and mgr.closed
+
+
+def half_with_pool(blocks: int):
+    """A scheduler half bound to vLLM's own block pool, with no save in flight."""
+    from vllm.v1.core.block_pool import BlockPool
+    half = S.SchedulerHalf.__new__(S.SchedulerHalf)
+    half.block_pool = BlockPool(num_gpu_blocks=blocks, enable_caching=True, hash_block_size=16)
+    half.saving = []
+    return half
+
+
+def test_blocks_only_saves_hold_are_pending_frees():
+    """vLLM waits for blocks rather than preempt when the connector says some
+    are about to be freed: true only while a save in flight holds a block that
+    nothing else does (two saves of one block hold it twice)."""
+    half = half_with_pool(8)
+    assert not half.pending_block_frees()  # nothing in flight
+    a, b = half.block_pool.get_new_blocks(2)  # a request's blocks (ref 1 each)
+    for src in ([a.block_id], [a.block_id, b.block_id]):
+        half._pin(src)
+        half.saving.append(S.Saving(None, [], src))
+    assert not half.pending_block_frees()  # the request still holds both blocks
+    half.block_pool.free_blocks([a, b])  # preempted: vLLM lets go of them
+    assert half.pending_block_frees()  # the saves alone hold them now
+    for s in half.saving:
+        half._unpin(s.src)
+    half.saving = []
+    assert not half.pending_block_frees() and a.ref_cnt == b.ref_cnt == 0

@@ -210,6 +210,7 @@ class SchedulerHalf:
         self.names: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.names_cap = 2 * cfg.num_cpu_blocks + (1 << 16)
         self.reqs: dict[str, Tracked] = {}
+        self.loading: dict[str, Tracked] = {}  # with loads in flight: what a step polls
         self.saves: collections.deque[SavePlan] = collections.deque()  # planned
         self.saving: list[Saving] = []  # in flight
         self.sent: set[str] = set()  # finished requests whose saves are done
@@ -218,7 +219,6 @@ class SchedulerHalf:
         self.lookups: list[Lookup] = []  # asked this step, not submitted yet
         self.kv_cache_manager = None
         self.block_pool = None
-        self.pins: collections.Counter[int] = collections.Counter()  # block id -> our refs
         self.hook_s = 0.0  # time vLLM's scheduler spent in kvcached this step
         self.hook_cpu_s = 0.0  # and that thread's CPU time in it
         logger.info("kvcached: run dir %s (kvcached status --run-dir %s); CPU tier %d blocks, "
@@ -228,11 +228,11 @@ class SchedulerHalf:
     # ------------------------------------------------------------ requests
     def track(self, request) -> Tracked:
         t = self.reqs.get(request.request_id)
-        if t is None:
-            t = self.reqs[request.request_id] = Tracked(request,
-                                                        self.mgr.engine_request([]))
         hashes = request.block_hashes
-        if len(hashes) > t.n_keys:
+        if t is None:
+            t = self.reqs[request.request_id] = Tracked(
+                request, self.mgr.engine_request(list(hashes)), n_keys=len(hashes))
+        elif len(hashes) > t.n_keys:
             self.mgr.add_engine_hashes(t.creq, list(hashes[t.n_keys:]))
             t.n_keys = len(hashes)
         return t
@@ -304,6 +304,7 @@ class SchedulerHalf:
             self._name(t, stop)  # blocks storage brings into the CPU tier
             load = Load(plan, [Part() for _ in plan.tasks])
             t.loads.append(load)  # in flight from here: submitted with this step's meta
+            self.loading[request.request_id] = t
             self.planned_loads.append((t, load))
             cpu = max(0, min(plan.n_cpu, stop) - local) * bs
             storage = max(0, min(plan.n_cpu + len(plan.nodes), stop) - max(plan.n_cpu, local)) * bs
@@ -407,6 +408,7 @@ class SchedulerHalf:
                     and not lk.handle.done():
                 lk.handle.wait(IDLE_WAIT_S)
                 return
+        for t in self.loading.values():
             for load in t.loads:
                 for part in load.parts:
                     if part.batch is not None and not part.batch.done():
@@ -453,28 +455,25 @@ class SchedulerHalf:
             t.creq = self.mgr.engine_request(list(t.request.block_hashes[:t.n_keys]))
 
     # ------------------------------------------------------------ block pins
+    # A save in flight holds a reference to each block it reads (one per save
+    # that reads it): nothing reuses them until it lands.
     def _pin(self, block_ids: list[int]) -> None:
-        """Hold vLLM's blocks that a copy reads: nothing reuses them until unpinned."""
-        if self.block_pool is None:
-            return
-        self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
-        self.pins.update(block_ids)
+        if self.block_pool is not None:
+            self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
 
     def _unpin(self, block_ids: list[int]) -> None:
-        if self.block_pool is None:
-            return
-        self.block_pool.free_blocks([self.block_pool.blocks[i] for i in block_ids])
-        self.pins.subtract(block_ids)
-        for i in block_ids:
-            if self.pins[i] <= 0:
-                del self.pins[i]
+        if self.block_pool is not None:
+            self.block_pool.free_blocks([self.block_pool.blocks[i] for i in block_ids])
 
     def pending_block_frees(self) -> bool:
-        """Whether a save in flight holds blocks nothing else does: they are free
-        once it lands, so vLLM may wait for them rather than preempt."""
+        """Whether saves in flight hold blocks nothing else does: they are free
+        once the saves land, so vLLM may wait for them rather than preempt.
+        (vLLM asks only when it is out of blocks: the count is made then.)"""
         pool = self.block_pool
-        return pool is not None and any(pool.blocks[i].ref_cnt == n
-                                        for i, n in self.pins.items())
+        if pool is None or not self.saving:
+            return False
+        held = collections.Counter(i for s in self.saving for i in s.src)
+        return any(pool.blocks[i].ref_cnt == n for i, n in held.items())
 
     # ------------------------------------------------------------------ saves
     def _run_saves(self) -> None:
@@ -598,8 +597,8 @@ class SchedulerHalf:
         and only the workers' report carries them."""
         done: set[str] = set()
         bad: set[int] = set()
-        for rid, t in list(self.reqs.items()):
-            if not t.loads or not all(load.done() for load in t.loads):
+        for rid, t in list(self.loading.items()):
+            if not all(load.done() for load in t.loads):
                 continue
             if not with_failed and not all(load.clean() for load in t.loads):
                 continue
@@ -611,6 +610,7 @@ class SchedulerHalf:
                 self.stats.count("load_failed_blocks", len(lost))
                 self.stats.load_took(now - min(p.submitted for p in load.parts))
             t.loads.clear()
+            del self.loading[rid]
             done.add(rid)  # a finished request's blocks are freed by this too
             self._release_if_done(t)
         return done, bad
