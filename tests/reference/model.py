@@ -55,6 +55,8 @@ ON_GPU = (GPU, SWAP_IN)  # a child in these states keeps its parent on the GPU
 
 @dataclass(eq=False)
 class Node:
+    """One cached block: its chained hash names it (and its whole prefix)."""
+
     hash: bytes
     parent: Node | None = field(repr=False)
     depth: int
@@ -152,6 +154,8 @@ class Leaves:
 
 @dataclass(eq=False)
 class Request:
+    """A running request: its block hashes, block table and the path it holds."""
+
     rid: Hashable
     hashes: list[bytes]
     num_tokens: int
@@ -159,7 +163,6 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # the block table
     path: list[Node] = field(default_factory=list)  # blocks[i] is path[i]'s, i < len(path)
     chain_open: bool = True  # False once a computed block's twin was in flight
-    tasks: list[Task] = field(default_factory=list)
     hit: tuple[int, int, int] = (0, 0, 0)  # tokens from GPU, CPU, storage
     cached_tokens: int = 0
     error: Exception | None = None
@@ -387,6 +390,10 @@ class Model:
     # ------------------------------------------------------------ allocate
     def allocate(self, rid: Hashable, token_ids: Sequence[int], extra_key=None,
                  reserve_tokens: int = 0) -> Allocation:
+        """Match the cached prefix (leaving at least one prompt token to compute),
+        make room, give the request its GPU blocks and plan its fetches. Raises
+        NoFreeBlocks, changing nothing but that count, when eviction cannot
+        make room: so the check comes before any reference is taken."""
         self.reap()
         assert rid not in self.reqs and token_ids and not self.asleep
         n = len(token_ids)
@@ -450,7 +457,7 @@ class Model:
         want = min((req.num_tokens - 1) // self.bs - start, len(req.blocks) - start)
         if want <= 0:
             return 0
-        if not (self.cpu_on and not self.paused):
+        if not self.cpu_on or self.paused:  # a load goes through CPU blocks, and waits
             self.storage_counts["skip_paused_or_no_cpu_tier"] += 1
             return 0
         if want < self.cfg.storage_min_load_blocks:
@@ -505,8 +512,6 @@ class Model:
 
     def _submit(self, task: Task) -> None:
         self.pending.append(task)
-        if task.req is not None:
-            task.req.tasks.append(task)
 
     def reap(self) -> None:
         """Land every task submitted so far, in order."""
@@ -646,7 +651,7 @@ class Model:
     def _write_through(self, nodes: list[Node]) -> None:
         """Stage the new GPU blocks that storage lacks into CPU blocks (kept as
         backups) and store them: one task, busy until it is reaped."""
-        if not (self.cpu_on and not self.paused):
+        if not self.cpu_on or self.paused:  # staged through CPU blocks; would wait
             return
         todo = [n for n in nodes
                 if n.state == GPU and n.cpu < 0 and not n.busy and not n.in_storage]
