@@ -1,14 +1,14 @@
-"""The native core against the reference manager (tests/reference/manager.py,
-the Python loops it replaced): both serve the same random workload, and after
-every call the whole tree, both free lists, both tiers' leaf orders, every
-running request and the stats must be equal.
+"""The manager against the model of its state machine (tests/reference/model.py):
+both serve the same random workload, and after every call the whole tree,
+both free lists, both tiers' leaf orders, every running request and the
+stats must be equal.
 
 The workload mixes what moves blocks between tiers: evictions with and
 without a CPU tier, swap-ins, failing swap-outs / swap-ins / loads (rolled
 back, lost workers), pauses (evictions drop instead of swapping out),
 write-through to storage and loads from it, sleep and wakeup (with the host
 pool released or kept), new weight versions, KV events (which must not change
-anything the core does).
+anything the core does: the model has none).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import random
 import pytest
 from conftest import tiny_config
 from helpers import FlakyTransfer
-from reference.compare import diff, reference_state, state
-from reference.manager import CacheManager as ReferenceManager
+from reference.compare import diff, model_state, state
+from reference.model import Model
 
 from kvcached import CacheManager, NoFreeBlocks, TransferFailed
 
@@ -34,20 +34,19 @@ SETUPS = {
 
 
 class Pair:
-    """The same calls on both managers; every outcome must agree."""
+    """The same calls on the manager and the model; every outcome must agree."""
 
     def __init__(self, tmp_path, setup: dict):
-        self.mgrs = []
-        for name, cls in (("core", CacheManager), ("reference", ReferenceManager)):
-            extra = {}
-            if setup.get("storage_backend"):
-                extra["storage_url"] = str(tmp_path / name / "store")
-            if setup.get("kv_events_endpoint"):
-                extra["kv_events_endpoint"] = f"ipc://{tmp_path}/{name}-events"
-            # the reference manager evicts by LRU
-            cfg = tiny_config(run_dir=str(tmp_path / name / "run"),
-                              **{"eviction_policy": "lru", **setup, **extra})
-            self.mgrs.append(cls(cfg, transfer=FlakyTransfer(cfg, cfg.run_dir)).start())
+        extra = {}
+        if setup.get("storage_backend"):
+            extra["storage_url"] = str(tmp_path / "store")
+        if setup.get("kv_events_endpoint"):
+            extra["kv_events_endpoint"] = f"ipc://{tmp_path}/events"
+        # the model evicts by LRU
+        cfg = tiny_config(run_dir=str(tmp_path / "run"),
+                          **{"eviction_policy": "lru", **setup, **extra})
+        self.mgrs = [CacheManager(cfg, transfer=FlakyTransfer(cfg, cfg.run_dir)).start(),
+                     Model(cfg)]
 
     def call(self, fn):
         """fn(mgr) on both; the result or the exception type must agree."""
@@ -61,14 +60,14 @@ class Pair:
         return out[0]
 
     def fail(self, kinds: set[str], lost: bool) -> None:
-        for mgr in self.mgrs:
-            mgr.transfer.fail_kinds = set(kinds)
-            mgr.transfer.lost = lost
+        for faults in (self.mgrs[0].transfer, self.mgrs[1]):
+            faults.fail_kinds = set(kinds)
+            faults.lost = lost
 
     def check(self, step: int) -> None:
-        core, ref = self.mgrs
+        core, model = self.mgrs
         core.check_invariants()
-        d = diff(state(core), reference_state(ref))
+        d = diff(state(core), model_state(model))
         assert d is None, f"step {step}: {d}"
 
     def close(self) -> None:
@@ -111,13 +110,13 @@ def run_workload(pair: Pair, seed: int, steps: int = 400) -> dict:
             pair.fail(set(), False)
         paused -= 1
         if paused == 0:
-            pair.call(lambda m: m.resume())
+            pair.call(lambda m: m.resume()["changed"])
         if roll < 0.06:  # a few steps of failing tasks (a flaky or lost worker)
             pair.fail(rng.choice([{"swap_out"}, {"swap_in"}, {"load"}]), rng.random() < 0.3)
             failing = rng.randrange(1, 6)
             seen["failed"] += 1
         elif roll < 0.09 and paused <= 0:  # a few steps paused: CPU hits are misses meanwhile
-            pair.call(lambda m: m.pause())
+            pair.call(lambda m: m.pause()["changed"])
             paused = rng.randrange(1, 6)
             seen["paused"] += 1
         elif roll < 0.10:
@@ -125,11 +124,11 @@ def run_workload(pair: Pair, seed: int, steps: int = 400) -> dict:
                 pair.call(lambda m, r=rid: m.free(r))
             held.clear()
             release = rng.random() < 0.5
-            pair.call(lambda m, r=release: m.sleep(release_host_pool=r))
-            pair.call(lambda m: m.wakeup())
+            pair.call(lambda m, r=release: m.sleep(release_host_pool=r)["changed"])
+            pair.call(lambda m: m.wakeup()["changed"])
             seen["slept"] += 1
         elif roll < 0.11:
-            pair.call(lambda m, v=str(rng.randrange(3)): m.update_weights(v))
+            pair.call(lambda m, v=str(rng.randrange(3)): m.update_weights(v)["changed"])
         elif held and roll < 0.35:
             rid = rng.choice(sorted(held))
             extra = [rng.randrange(3)] * rng.randrange(0, 6)
@@ -153,9 +152,15 @@ def run_workload(pair: Pair, seed: int, steps: int = 400) -> dict:
     return seen
 
 
+# With storage, seeds 13 and 19 also run a request across update_weights (its
+# blocks are stored under the new version), and 47 lands a load whose request
+# a failed swap-in had already cut.
+SEEDS = [1, 2, 3, 13, 19, 47]
+
+
 @pytest.mark.parametrize("setup", SETUPS.values(), ids=SETUPS.keys())
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_core_is_the_reference(tmp_path, setup, seed):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_core_is_the_model(tmp_path, setup, seed):
     pair = Pair(tmp_path, setup)
     try:
         seen = run_workload(pair, seed)

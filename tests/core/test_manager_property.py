@@ -2,9 +2,10 @@
 with ``check_invariants()`` after every step (hypothesis stateful testing),
 under each eviction policy:
 
-- ``lru``: the reference manager (tests/reference/) serves the same calls
-  alongside; after every step both must be in the same state.
-- ``adaptive``: no reference manager evicts like it, so the core's policy
+- ``lru``: the model of the manager's state machine (tests/reference/model.py)
+  serves the same calls alongside; after every step both must be in the
+  same state.
+- ``adaptive``: the model evicts by LRU only, so the core's policy
   calls (both tiers, swap-outs, failed copies and all) are recorded and
   replayed into the reference policy (tests/reference/policy.py), one per
   tier, after every step: every victim the core took must be the one the
@@ -24,8 +25,8 @@ from conftest import tiny_config
 from helpers import FlakyTransfer, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from reference.compare import diff, reference_state, state
-from reference.manager import CacheManager as ReferenceManager
+from reference.compare import diff, model_state, state
+from reference.model import Model
 from reference.policy import AdaptivePolicy, replay_calls
 
 from kvcached import CacheManager, NoFreeBlocks, TransferFailed
@@ -52,13 +53,9 @@ class ManagerMachine(RuleBasedStateMachine):
                           num_cpu_blocks=CPU_BLOCKS, eviction_policy=self.policy)
         self.transfer = FlakyTransfer(cfg, self.dir)
         self.mgr = CacheManager(cfg, transfer=self.transfer).start()
-        self.transfers = [self.transfer]
-        self.ref = None
+        self.model = None
         if self.policy == "lru":
-            ref_cfg = cfg.replace(run_dir=self.dir + "/reference")
-            self.ref_transfer = FlakyTransfer(ref_cfg, ref_cfg.run_dir)
-            self.ref = ReferenceManager(ref_cfg, transfer=self.ref_transfer).start()
-            self.transfers.append(self.ref_transfer)
+            self.model = Model(cfg)
         else:  # the reference policy of each tier, fed the core's calls
             self.mgr.core.set_policy_log(True)
             self.ref_policies = {0: AdaptivePolicy(GPU_BLOCKS), 1: AdaptivePolicy(CPU_BLOCKS)}
@@ -67,17 +64,15 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.mgr.close()
-        if self.ref is not None:
-            self.ref.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def both(self, fn):
-        """fn(manager) on the manager and on the reference (under LRU): the same
+        """fn(manager) on the manager and on the model (under LRU): the same
         result or the same exception type; returns the manager's result (or raises)."""
-        if self.ref is None:
+        if self.model is None:
             return fn(self.mgr)
         out = []
-        for mgr in (self.mgr, self.ref):
+        for mgr in (self.mgr, self.model):
             try:
                 out.append((None, fn(mgr)))
             except (NoFreeBlocks, TransferFailed) as e:
@@ -142,9 +137,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(kinds=st.sets(st.sampled_from(["swap_out", "swap_in"])), lost=st.booleans())
     def set_failures(self, kinds, lost):
-        for transfer in self.transfers:
-            transfer.fail_kinds = kinds
-            transfer.lost = lost
+        for faults in [self.transfer] + ([self.model] if self.model is not None else []):
+            faults.fail_kinds = kinds
+            faults.lost = lost
 
     @rule(n=st.integers(1, 12))
     def force_eviction(self, n):
@@ -163,8 +158,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.check_invariants()
         st_ = self.mgr.stats()
         assert st_.tiers["gpu"].used + st_.tiers["gpu"].free == GPU_BLOCKS
-        if self.ref is not None:
-            d = diff(state(self.mgr), reference_state(self.ref))
+        if self.model is not None:
+            d = diff(state(self.mgr), model_state(self.model))
             assert d is None, d
         else:
             self.replay_policy_calls()

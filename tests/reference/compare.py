@@ -1,5 +1,5 @@
 """The state of a manager as comparable plain data, for the real manager (from
-its public snapshot) and for the reference manager (from its Python tree).
+its public snapshot) and for the model (tests/reference/model.py).
 
 Two managers that served the same calls must have equal states: every node
 (by hash) with its tier state, block ids, references, clock, depth and
@@ -13,7 +13,8 @@ from __future__ import annotations
 def state(mgr) -> dict:
     """The real manager's state."""
     snap = mgr.snapshot()
-    nodes = {n.hash: _node(n, snap.nodes[n.parent].hash if n.parent else b"")
+    nodes = {n.hash: (snap.nodes[n.parent].hash if n.parent else b"", int(n.state), n.gpu,
+                      n.cpu, n.ref, n.last_access, n.depth, bool(n.in_storage), n.busy)
              for n in snap.nodes.values()}
     return {
         "nodes": nodes,
@@ -21,40 +22,38 @@ def state(mgr) -> dict:
         "gpu_lru": [snap.nodes[i].hash for i in snap.gpu_lru],
         "cpu_lru": [snap.nodes[i].hash for i in snap.cpu_lru],
         "requests": {r.rid: (list(r.blocks), len(r.path)) for r in snap.requests},
-        "stats": _stats(mgr),
+        "stats": _stats(mgr.stats()),
     }
 
 
-def reference_state(ref) -> dict:
-    """The reference manager's state (tests/reference/manager.py), after applying
-    what its transfer completed (the real manager's snapshot does the same)."""
-    ref._reap()
-    nodes = {n.hash: _node(n, n.parent.hash if n.parent.parent is not None else b"")
-             for n in ref.tree.walk()}
+def model_state(model) -> dict:
+    """The model's state, once the tasks submitted so far have landed (the real
+    manager's snapshot lands them too)."""
+    model.reap()
+    nodes = {n.hash: (n.parent.hash, n.state, n.gpu, n.cpu, n.ref, n.last_access, n.depth,
+                      n.in_storage, n.busy)
+             for n in model.nodes.values()}
     return {
         "nodes": nodes,
-        "gpu_free": ref.gpu_pool.free_ids(), "cpu_free": ref.cpu_pool.free_ids(),
-        "gpu_lru": _lru_order(ref.tree.gpu_lru), "cpu_lru": _lru_order(ref.tree.cpu_lru),
-        "requests": {r.rid: (list(r.blocks), len(r.nodes)) for r in ref._reqs.values()},
-        "stats": _stats(ref),
+        "gpu_free": list(model.gpu_free.ids), "cpu_free": list(model.cpu_free.ids),
+        "gpu_lru": [n.hash for n in model.gpu_leaves.order()],
+        "cpu_lru": [n.hash for n in model.cpu_leaves.order()],
+        "requests": {r.rid: (list(r.blocks), len(r.path)) for r in model.reqs.values()},
+        "stats": model.stats(),
     }
 
 
-def _node(n, parent_hash: bytes) -> tuple:
-    return (parent_hash, int(n.state), n.gpu, n.cpu, n.ref, n.last_access, n.depth,
-            bool(n.in_storage), n.busy)
-
-
-def _lru_order(lru) -> list[bytes]:
-    return [n.hash for n in sorted(lru.nodes(), key=lambda n: getattr(n, lru.slot))]
-
-
-def _stats(mgr) -> tuple:
-    st = mgr.stats()
-    tiers = {t: (u.used, u.free, u.cached) for t, u in st.tiers.items()}
-    return (st.requests, st.running, st.prompt_tokens, st.hit_tokens, st.hit_requests, tiers,
-            {k: v for k, v in st.evictions.items() if v}, st.dedup_blocks, st.no_free_blocks,
-            {k: v for k, v in st.storage.items() if v}, st.cached_nodes)
+def _stats(st) -> dict:
+    """The counters of a ``CacheStats`` that the model keeps too."""
+    return {
+        "requests": st.requests, "running": st.running, "prompt_tokens": st.prompt_tokens,
+        "hit_tokens": dict(st.hit_tokens), "hit_requests": dict(st.hit_requests),
+        "tiers": {t: (u.used, u.free, u.cached) for t, u in st.tiers.items()},
+        "evictions": {k: v for k, v in st.evictions.items() if v},
+        "dedup_blocks": st.dedup_blocks, "no_free_blocks": st.no_free_blocks,
+        "storage": {k: v for k, v in st.storage.items() if v},
+        "cached_nodes": st.cached_nodes,
+    }
 
 
 def diff(a: dict, b: dict) -> str | None:
@@ -62,9 +61,10 @@ def diff(a: dict, b: dict) -> str | None:
     for key in a:
         if a[key] == b[key]:
             continue
-        if key == "nodes":
-            for h in sorted(set(a[key]) | set(b[key])):
-                if a[key].get(h) != b[key].get(h):
-                    return f"node {h.hex()[:8]}: {a[key].get(h)} != {b[key].get(h)}"
+        if key in ("nodes", "stats"):
+            for k in sorted(set(a[key]) | set(b[key])):
+                if a[key].get(k) != b[key].get(k):
+                    name = k.hex()[:8] if isinstance(k, bytes) else k
+                    return f"{key} {name}: {a[key].get(k)} != {b[key].get(k)}"
         return f"{key}: {a[key]} != {b[key]}"
     return None

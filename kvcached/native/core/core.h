@@ -10,9 +10,9 @@
  * Files: table.c (nodes, children by hash, record memory), pool.c, lru.c (heaps, and
  * the leaf-set calls that pick the heap or the policy), policy.c (the adaptive
  * eviction policy), hashing.c (chained hashes and the memo), ops.c (every state
- * transition); module.h lists the files of the Python binding. The transitions
- * follow tests/reference/manager.py line by line; the differential tests hold
- * the two to the same results. */
+ * transition); module.h lists the files of the Python binding. The states and
+ * transitions are modelled in tests/reference/model.py; the differential tests
+ * hold the manager and the model to the same results. */
 #ifndef KVC_CORE_H
 #define KVC_CORE_H
 

@@ -6,9 +6,10 @@
  * they keep the parent counters, the idle count and both leaf heaps exact.
  * The per-block hot paths (match, unref_path, begin_swap_out,
  * land_swap_out, plan_swap_in, land_fetch, new_gpu_node) do only what can
- * change there, and say why. Each function follows the method of
- * tests/reference/manager.py that has its name; the differential tests run
- * both on the same workloads and compare every node, pool and heap. */
+ * change there, and say why. tests/reference/model.py models the state
+ * machine these transitions make up (states and transitions, not this
+ * code); the differential tests run the manager and the model on the same
+ * workloads and compare every node, pool and heap. */
 #include <stdlib.h>
 #include <string.h>
 
