@@ -539,11 +539,15 @@ class Model:
         if failed[0] in req.path:
             self._cut(req, req.path.index(failed[0]),
                       None if task.ok else self._error(task.kind, task.lost))
-        self._roll_back(task, failed)
+        # A load that ran lacked in storage what did not arrive; what arrived
+        # after the request was cut is still there.
+        gone = nodes[arrived:] if task.kind == "load" and task.ok else []
+        self._roll_back(task, failed, gone)
 
-    def _roll_back(self, task: Task, failed: list[Node]) -> None:
+    def _roll_back(self, task: Task, failed: list[Node], gone: list[Node]) -> None:
         """Fetched nodes that did not land go back where they came from; their GPU
-        blocks stay the request's (it recomputes into them)."""
+        blocks stay the request's (it recomputes into them). Those ``gone`` from
+        storage are no longer marked stored, and leave the tree if unheld."""
         if task.kind == "swap_in":
             for n in reversed(failed):
                 self._set(n, CPU, gpu=-1)
@@ -552,14 +556,10 @@ class Model:
         for n in reversed(failed):
             self._set(n, STORAGE, gpu=-1, cpu=-1)
         self.cpu_free.give(cpus)
-        if task.ok:
-            # The load ran, so the blocks it did not land count as missing from
-            # storage: those that did not arrive, and (as the manager has it)
-            # those that arrived after a failed swap-in had cut the request.
-            for n in failed:
-                n.in_storage = False
-            if failed[0].ref == 0:
-                self._remove(failed[0])
+        for n in gone:
+            n.in_storage = False
+        if gone and gone[0].ref == 0:
+            self._remove(gone[0])
 
     def _error(self, kind: str, lost: bool | None = None) -> TransferFailed:
         lost = self.lost if lost is None else lost

@@ -806,7 +806,7 @@ static void truncate_path(core_t *c, request_t *r, int32_t first) {
 }
 
 /* Undo unfinished fetches; their GPU blocks already belong to the request. */
-static void roll_back(core_t *c, const int32_t *nodes, int32_t n, int is_load, int missing) {
+static void roll_back(core_t *c, const int32_t *nodes, int32_t n, int is_load, int32_t gone) {
     if (!is_load) {
         for (int32_t k = n - 1; k >= 0; k--) set_state(c, nodes[k], S_CPU, NIL, KEEP);
         return;
@@ -818,20 +818,21 @@ static void roll_back(core_t *c, const int32_t *nodes, int32_t n, int is_load, i
     for (int32_t k = n - 1; k >= 0; k--) set_state(c, nodes[k], S_STORAGE, NIL, NIL);
     for (int32_t k = 0; k < n && cpus != NULL; k++) pool_put(&c->pools[T_CPU], cpus[k]);
     free(cpus);
-    if (missing) { /* the object is gone or bad: storage no longer has this prefix */
-        for (int32_t k = 0; k < n; k++) N(c, nodes[k])->in_storage = 0;
-        if (N(c, nodes[0])->ref == 0) remove_node(c, nodes[0]);
+    if (gone < n) { /* the objects are gone or bad: storage no longer has them */
+        for (int32_t k = gone; k < n; k++) N(c, nodes[k])->in_storage = 0;
+        if (N(c, nodes[gone])->ref == 0) remove_node(c, nodes[gone]);
     }
 }
 
 /* A fetch of nodes (placed at path[start ..] when planned) finished with its
- * first `ok` blocks usable: land them, cut the request where the first
- * unusable one still sits in its path, roll back the rest. `missing`: the
- * task ran but storage lacked the rest (the objects go from the tree).
- * Returns where the path was cut, or -1. */
+ * first `ok` blocks arrived: land those the request still holds, cut the
+ * request where the first unusable one still sits in its path, roll back the
+ * rest. `missing`: the task ran but storage lacked the blocks past `ok` (those
+ * objects go from the tree; a block that arrived after the request was cut
+ * stays in storage). Returns where the path was cut, or -1. */
 int32_t core_finish_fetch(core_t *c, request_t *r, int32_t start, const int32_t *nodes,
                           int32_t count, int32_t ok, int is_load, int missing) {
-    int32_t k = 0;
+    int32_t arrived = ok, k = 0;
     while (k < ok && start + k < r->n_path && r->path[start + k] == nodes[k]) k++;
     ok = k; /* a node cut from the path meanwhile is not landed */
     land_fetch(c, nodes, ok);
@@ -841,7 +842,7 @@ int32_t core_finish_fetch(core_t *c, request_t *r, int32_t start, const int32_t 
         cut = start + ok;
         truncate_path(c, r, cut);
     }
-    roll_back(c, nodes + ok, count - ok, is_load, missing);
+    roll_back(c, nodes + ok, count - ok, is_load, missing ? arrived - ok : count - ok);
     return cut;
 }
 
