@@ -30,10 +30,11 @@ dominate as it does on real models):
    connector changes nothing in the process but where the KV cache lives
    (shared memory, through vLLM's ``get_mem_pool_context``).
    ``--no-reuse-only`` runs just these.
-4. Scheduler time. 64 requests running at once (128 steps and more, so that p99 is not the worst step): the time vLLM's scheduler
-   spends in kvcached per step, p50/p99 (target p99 <= 1 ms), as
-   ``kvcached status`` reports it: wall time, and that thread's CPU time (the
-   rest is waiting for a core or for the GIL). ``--busy-only`` runs just this.
+4. Scheduler time. 64 requests running at once, ~200 steps (enough that p99
+   is not the worst step): the time vLLM's scheduler spends in kvcached per
+   step, p50/p99 (target p99 <= 1 ms), as ``kvcached status`` reports it:
+   wall time, and that thread's CPU time (the rest is waiting for a core or
+   for the GIL). ``--busy-only`` runs just this.
 Every mode must give the same greedy outputs, and every mode's vLLM binds its
 threads alike: vLLM's CPU build keeps cores out of its worker's OpenMP threads
 for its other processes, one without a connector and one more with any
