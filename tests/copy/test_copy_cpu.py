@@ -159,6 +159,42 @@ def test_threads_give_the_same_bytes(threads, n):
         assert torch.equal(p[dev_ids].view(torch.uint8), b[dev_ids].view(torch.uint8))
 
 
+# Planes of 7 x 67 x 9 bf16 = 8,442 bytes, not a multiple of 16 or 64: an odd
+# device block starts off a 16-byte boundary, so a plane streamed into it
+# starts with a head copied up to the boundary, and every plane ends with a tail.
+STREAMED = KVLayout(2, 7, 67, 9, "bfloat16")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copies_past_the_stream_size_are_byte_exact(threads):
+    """A call moving STREAM_MIN_BYTES or more writes with streaming stores: the
+    reference's bytes both ways, padding and other blocks untouched. One block
+    fewer stays under the size (plain memcpy) and gives the same bytes."""
+    per_block = sum(STREAMED.plane_bytes)
+    assert all(b % 16 for b in STREAMED.plane_bytes)
+    n = -(-_cpu_copy.STREAM_MIN_BYTES // per_block)  # the fewest blocks that stream
+    assert (n - 1) * per_block < _cpu_copy.STREAM_MIN_BYTES <= n * per_block
+    pool = n + 6
+    planes, host = make_planes(STREAMED, pool, seed=5), make_host(STREAMED, pool, seed=6)
+    originals = snapshot(planes)
+    rng = np.random.default_rng(11)
+    for count in (n, n - 1):
+        dev_ids = rng.choice(pool, count, replace=False).tolist()
+        host_ids = rng.choice(pool, count, replace=False).tolist()
+        eng = engine(planes, host, STREAMED, threads=threads)
+        want = expected_host(host, planes, STREAMED.host_offsets, dev_ids, host_ids)
+        assert eng.swap_out(dev_ids, host_ids) == count * per_block
+        assert torch.equal(host, want)
+
+        back = [torch.zeros_like(p) for p in planes]
+        ref = [torch.zeros_like(p) for p in planes]
+        order = rng.permutation(pool)[:count].tolist()  # other device blocks, another order
+        engine(back, host, STREAMED, threads=threads).swap_in(host_ids, order)
+        ReferenceCpuCopy(ref, host.clone(), STREAMED.host_offsets).swap_in(host_ids, order)
+        assert_planes_equal(back, ref)
+    assert_planes_equal(planes, originals)  # a swap out reads its planes only
+
+
 # ---------------------------------------------------------------- bad input
 BAD_CASES = {
     "negative device": ([1, -1], [0, 1], "device block id -1 at index 1"),

@@ -27,6 +27,10 @@
 #define KVC_ERR_HOST_ID (-5)    /* a host block id is out of range */
 #define KVC_ERR_DIRECTION (-6)  /* direction is neither 0 nor 1 */
 
+/* A call moving at least this many bytes writes with streaming stores: it
+ * does not fit in a last-level cache share anyway (cpu_copy.c, copy_bytes). */
+#define KVC_STREAM_MIN_BYTES ((int64_t)8 << 20)
+
 #define KVC_DIR_TO_HOST 0   /* swap out: device -> host */
 #define KVC_DIR_TO_DEVICE 1 /* swap in: host -> device */
 

@@ -5,7 +5,7 @@
  *          threads=1, keep=None)
  *     .copy(device_ids, host_ids, direction) -> bytes moved
  *     .unchecked_copy(device_ids, host_ids, direction) -> (code, err_index)
- *   strerror(code) -> str; TO_HOST, TO_DEVICE, ERR_* (cpu_copy.h's codes)
+ *   strerror(code) -> str; TO_HOST, TO_DEVICE, ERR_*, STREAM_MIN_BYTES (cpu_copy.h's)
  *
  * kvcached/copy/cpu.py (CpuCopyEngine) checks the tensors and passes their
  * addresses. Ids come as lists or tuples of ints (read here, no numpy: a
@@ -514,6 +514,7 @@ static int module_exec(PyObject *mod) {
         {"OK", KVC_OK}, {"ERR_NULL", KVC_ERR_NULL}, {"ERR_ARG", KVC_ERR_ARG},
         {"ERR_PLANE", KVC_ERR_PLANE}, {"ERR_DEVICE_ID", KVC_ERR_DEVICE_ID},
         {"ERR_HOST_ID", KVC_ERR_HOST_ID}, {"ERR_DIRECTION", KVC_ERR_DIRECTION},
+        {"STREAM_MIN_BYTES", (int)KVC_STREAM_MIN_BYTES},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
         if (PyModule_AddIntConstant(mod, constants[i].name, constants[i].value) < 0) return -1;
