@@ -26,9 +26,15 @@ Progress goes to stderr; the last line on stdout is JSON ``{"bench": "transfer",
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import os
+import select
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -131,33 +137,137 @@ class EchoFleet:
         self.ctx.term()
 
 
+def _run_ns(pids: list[int]) -> int:
+    """Nanoseconds on a CPU so far of every thread of ``pids`` (0 where the kernel
+    keeps no schedstat)."""
+    total = 0
+    for pid in pids:
+        tasks = Path(f"/proc/{pid}/task")
+        for tid in tasks.iterdir() if tasks.is_dir() else ():
+            try:
+                total += int((tid / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):  # a thread that just ended
+                pass
+    return total
+
+
+class CpuMeter:
+    """CPU per call of one kind of round trip: this process's threads and the peers'."""
+
+    def __init__(self, peers: list[int]):
+        self.peers, self.own_ns, self.peers_ns, self.calls = peers, 0, 0, 0
+
+    def measure(self, run: Callable[..., list[float]], *args) -> list[float]:
+        """``run(*args)``'s samples, its CPU counted."""
+        me = [os.getpid()]
+        own, peers = _run_ns(me), _run_ns(self.peers)
+        samples = run(*args)
+        self.own_ns += _run_ns(me) - own
+        self.peers_ns += _run_ns(self.peers) - peers
+        self.calls += len(samples)
+        return samples
+
+    def per_call_us(self) -> dict[str, float]:
+        n = max(self.calls, 1)
+        return {"this_process": self.own_ns / n / 1e3, "peers": self.peers_ns / n / 1e3}
+
+
+class HandoffFleet:
+    """Echo processes behind an IO thread that owns their ROUTER, as the
+    coordinator owns its: ``round_trips`` queues each frame, wakes the thread
+    (a pipe) and sleeps on a lock the thread releases once every echo answered."""
+
+    def __init__(self, fleet: EchoFleet):
+        self.fleet = fleet
+        self.procs = fleet.procs
+        self._outbox: collections.deque[threading.Lock] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._io_loop, daemon=True)
+        self._thread.start()
+
+    def _io_loop(self) -> None:
+        router, idents, payload = self.fleet.router, self.fleet.idents, self.fleet.payload
+        fd = router.getsockopt(zmq.FD)
+        # Plain ints, as the coordinator uses: pyzmq's IntFlag members cost an
+        # enum operation per use.
+        events, pollin, sndmore = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
+        waiting, left = None, 0
+        while not self._stop:
+            if self._wake_r in select.select([self._wake_r, fd], [], [], 0.1)[0]:
+                os.read(self._wake_r, 4096)
+            while self._outbox:
+                waiting, left = self._outbox.popleft(), len(idents)
+                for ident in idents:
+                    router.send(ident, sndmore)
+                    router.send(payload)
+            while router.getsockopt(events) & pollin:
+                router.recv()  # identity
+                router.recv()  # the echoed frame
+                left -= 1
+                if left == 0:
+                    waiting.release()
+
+    def round_trips(self, n: int) -> list[float]:
+        """Microseconds of one frame handed to the IO thread until all replies are in."""
+        clock = time.perf_counter
+        samples = []
+        for _ in range(n):
+            done = threading.Lock()
+            done.acquire()
+            t0 = clock()
+            self._outbox.append(done)
+            os.write(self._wake_w, b"x")
+            if not done.acquire(True, 30):
+                raise TimeoutError("the hand-off fleet's echo processes did not answer in 30s")
+            samples.append((clock() - t0) * 1e6)
+        return samples
+
+    def close(self) -> None:
+        self._stop = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=10)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.fleet.close()  # the IO thread is gone: this thread may use the socket now
+
+
 def latency_at(tp: int, iters: int, warmup: int, payload: bytes, chunk: int = 100) -> dict:
-    """Task and raw round-trip latency at ``tp`` ranks, measured in alternating
-    chunks of ``chunk`` calls so that both see the same state of the machine."""
+    """Task, raw and hand-off round trips at ``tp`` ranks, measured in alternating
+    chunks of ``chunk`` calls so that all see the same state of the machine."""
     from kvcached import CacheConfig, CacheManager
-    with short_tmp_dir("kvbt-") as d:
+    with short_tmp_dir("kvbt-") as d, contextlib.ExitStack() as stack:
         fleet = EchoFleet(tp, payload, d)
-        try:
-            cfg = CacheConfig.load(**TINY, tp_size=tp, run_dir=str(d / "run"))
-            t0 = time.perf_counter()
-            with CacheManager(cfg) as mgr:
-                log(f"TP={tp}: {tp} workers ready in {time.perf_counter() - t0:.1f}s")
-                fleet.round_trips(warmup)
-                for kind in ("swap_out", "noop"):
-                    _time_tasks(mgr.transfer, kind, warmup, 0)
-                samples: dict[str, list[float]] = {"raw": [], "swap_out": [], "noop": []}
-                for first in range(0, iters, chunk):
-                    n = min(chunk, iters - first)
-                    samples["raw"] += fleet.round_trips(n)
-                    for kind in ("swap_out", "noop"):
-                        samples[kind] += _time_tasks(mgr.transfer, kind, n, first)
-        finally:
-            fleet.close()
+        stack.callback(fleet.close)
+        (d / "handoff").mkdir()
+        handoff = HandoffFleet(EchoFleet(tp, payload, d / "handoff"))
+        stack.callback(handoff.close)
+        cfg = CacheConfig.load(**TINY, tp_size=tp, run_dir=str(d / "run"))
+        t0 = time.perf_counter()
+        mgr = stack.enter_context(CacheManager(cfg))
+        log(f"TP={tp}: {tp} workers ready in {time.perf_counter() - t0:.1f}s")
+        fleet.round_trips(warmup)
+        handoff.round_trips(warmup)
+        for kind in ("swap_out", "noop"):
+            _time_tasks(mgr.transfer, kind, warmup, 0)
+        samples: dict[str, list[float]] = {"raw": [], "handoff": [], "swap_out": [], "noop": []}
+        cpu = {"raw": CpuMeter([p.pid for p in fleet.procs]),
+               "handoff": CpuMeter([p.pid for p in handoff.procs]),
+               "swap_out": CpuMeter([w.pid for w in mgr.transfer.workers])}
+        for first in range(0, iters, chunk):
+            n = min(chunk, iters - first)
+            samples["raw"] += cpu["raw"].measure(fleet.round_trips, n)
+            samples["handoff"] += cpu["handoff"].measure(handoff.round_trips, n)
+            samples["swap_out"] += cpu["swap_out"].measure(_time_tasks, mgr.transfer,
+                                                           "swap_out", n, first)
+            samples["noop"] += _time_tasks(mgr.transfer, "noop", n, first)
     p50 = {k: percentile(v, 0.5) for k, v in samples.items()}
     p99 = {k: percentile(v, 0.99) for k, v in samples.items()}
     return {"task": {"p50_us": p50["swap_out"], "p99_us": p99["swap_out"],
-                     "noop_p50_us": p50["noop"], "noop_p99_us": p99["noop"]},
-            "raw": {"p50_us": p50["raw"], "p99_us": p99["raw"]}}
+                     "noop_p50_us": p50["noop"], "noop_p99_us": p99["noop"],
+                     "cpu_us": cpu["swap_out"].per_call_us()},
+            **{k: {"p50_us": p50[k], "p99_us": p99[k], "cpu_us": cpu[k].per_call_us()}
+               for k in ("raw", "handoff")}}
 
 
 def _wait_connected(router: zmq.Socket, idents: list[bytes], timeout_s: float = 60.0) -> None:
@@ -197,16 +307,23 @@ def echo_main(endpoint: str, rank: int) -> None:
 def bench_latency(quick: bool) -> dict:
     iters, warmup = (300, 30) if quick else (2000, 100)
     payload = task_payload()
-    tasks, raw = {}, {}
+    tasks, raw, handoff = {}, {}, {}
     for tp in TP_SIZES:
         res = latency_at(tp, iters, warmup, payload)
-        tasks[str(tp)], raw[str(tp)] = res["task"], res["raw"]
-        log(f"TP={tp}: task p50 {tasks[str(tp)]['p50_us']:.0f} us, raw barrier p50 "
-            f"{raw[str(tp)]['p50_us']:.0f} us")
+        tasks[str(tp)], raw[str(tp)], handoff[str(tp)] = res["task"], res["raw"], res["handoff"]
+        log(f"TP={tp}: p50 task {res['task']['p50_us']:.0f} us, raw barrier "
+            f"{res['raw']['p50_us']:.0f} us, hand-off floor {res['handoff']['p50_us']:.0f} us")
+        for name, side, peers in (("task", "task", "workers"), ("raw", "raw", "echoes"),
+                                  ("hand-off", "handoff", "echoes")):
+            c = res[side]["cpu_us"]
+            log(f"  CPU per round trip, {name}: {c['this_process']:.0f} us here + "
+                f"{c['peers']:.0f} us in {peers}")
     top = str(TP_SIZES[-1])
     ratio = tasks[top]["p50_us"] / raw[top]["p50_us"]
     return {"iters": iters, "payload_bytes": len(payload), "task_swap_out_1_block": tasks,
-            "raw_zmq_barrier": raw, f"ratio_p50_tp{top}_vs_raw": ratio,
+            "raw_zmq_barrier": raw, "handoff_floor": handoff,
+            f"ratio_p50_tp{top}_vs_raw": ratio,
+            f"ratio_p50_tp{top}_handoff_floor_vs_raw": handoff[top]["p50_us"] / raw[top]["p50_us"],
             "target_ratio": TARGET_LATENCY_RATIO, "meets_target": ratio <= TARGET_LATENCY_RATIO}
 
 
