@@ -17,6 +17,13 @@ In one run:
     under the same load of this shared machine. Target: p50 at TP=4 <= 1.5x the
     raw barrier round trip. The layout is tiny (64 bytes per block) so the copy
     itself is negligible and the comparison is about the task machinery.
+    Beside them, the hand-off floor: more echo processes, driven the way the
+    coordinator is driven and with none of its code (a thread that owns their
+    ROUTER, woken through a pipe, waking the caller through a lock). And the
+    CPU each path spends per round trip (every thread's run time from
+    /proc/<pid>/task/*/schedstat): this process, and the workers or echo
+    processes. On a machine with fewer cores than threads in play, latency
+    follows CPU, and CPU is far less noisy.
 
     python scripts/bench_transfer.py [--quick]
 
