@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,8 @@ class CacheConfig:
     storage_max_bytes: int = 0
     storage_write_policy: str = "write_through"
     storage_write_threshold: int = 1
+    storage_secret_file: str = ""
+    storage_secret_env: str = ""
     check_host_memory: bool = True
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -171,6 +174,7 @@ class CacheConfig:
                              f"write_through_selective writes a block), got "
                              f"{self.storage_write_threshold}")
         _choice(self, "eviction_policy", EVICTION_POLICIES)
+        self.storage_secrets()  # a secret that cannot be read is an error now, not later
         _check_cuda_copy(self)
         if self.storage_backend in ("mooncake", "redis") and not self.storage_url:
             raise ValueError(
@@ -206,8 +210,71 @@ class CacheConfig:
     def cpu_tier_enabled(self) -> bool:
         return self.num_cpu_blocks > 0
 
+    def storage_secrets(self) -> list[bytes]:
+        """The fleet secrets that sign (the first) and verify (all) storage objects,
+        read from ``storage_secret_file`` or the variable ``storage_secret_env``
+        names; [] when neither is set. Raises ValueError naming the field and the
+        fix; the message never contains a secret."""
+        return _storage_secrets(self.storage_secret_file, self.storage_secret_env)
+
 
 # ------------------------------------------------------------------ helpers
+MIN_STORAGE_SECRET_BYTES = 32
+_MAKE_SECRET = "e.g. openssl rand -hex 32"
+
+
+def _storage_secrets(path: str, env: str) -> list[bytes]:
+    """Secrets separated by whitespace or commas (one per line in a file, ``#``
+    comment lines allowed), each at least MIN_STORAGE_SECRET_BYTES bytes."""
+    if path and env:
+        raise ValueError("storage_secret_file and storage_secret_env are both set: set one "
+                         "(the file, or the name of the environment variable)")
+    if path:
+        field = f"storage_secret_file ({_shown(path)})"
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(1 << 16)
+        except OSError as e:
+            raise ValueError(f"{field} cannot be read ({e.strerror or type(e).__name__}): "
+                             "point it at a readable file of secrets, one per line "
+                             f"({_MAKE_SECRET})") from None
+        lines = [ln for ln in raw.splitlines() if not ln.lstrip().startswith(b"#")]
+        text = b"\n".join(lines)
+    elif env:
+        field = f"storage_secret_env ({_shown(env)})"
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env) or env.startswith(ENV_PREFIX):
+            raise ValueError(f"{field} must be the name of the environment variable that "
+                             "holds the secret, not the secret itself, and not a "
+                             f"{ENV_PREFIX}* name (those are config fields): e.g. "
+                             "KV_FLEET_SECRET")
+        value = os.environ.get(env)
+        if value is None:
+            raise ValueError(f"{field}: that environment variable is not set; export it in "
+                             f"every kvcached process ({_MAKE_SECRET}), or unset "
+                             "storage_secret_env")
+        text = value.encode()
+    else:
+        return []
+    secrets = [s for s in text.replace(b",", b" ").split() if s]
+    if not secrets:
+        raise ValueError(f"{field} holds no secret: write one ({_MAKE_SECRET}); several, "
+                         "separated by newlines, rotate (the first signs, all verify)")
+    for i, s in enumerate(secrets):
+        if len(s) < MIN_STORAGE_SECRET_BYTES:
+            raise ValueError(f"{field}: secret #{i + 1} is {len(s)} bytes, shorter than "
+                             f"{MIN_STORAGE_SECRET_BYTES}: use a longer random one "
+                             f"({_MAKE_SECRET})")
+    return secrets
+
+
+def _shown(value: str) -> str:
+    """A path or variable name for an error message, unless it looks like a secret
+    pasted into the config by mistake (then it must not reach a log)."""
+    if len(value) >= MIN_STORAGE_SECRET_BYTES and "/" not in value and "." not in value:
+        return "value not shown: it looks like a secret, which belongs in the file or variable"
+    return repr(value)
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")

@@ -29,6 +29,8 @@ REJECTION_WORDS = {
     "bad_header_crc": "bad header", "bad_version": "other format version",
     "unknown_checksum": "unknown checksum", "layout_mismatch": "other layout",
     "wrong_block": "wrong block", "length_mismatch": "short read", "short_read": "short read",
+    "bad_mac": "bad MAC (forged, moved, replayed or another secret's)",
+    "oversize": "larger than a block",
 }
 
 
@@ -180,6 +182,8 @@ def _health_line(h: dict[str, Any]) -> str:
         words[word] = words.get(word, 0) + n
     rej = f"rejected {sum(rejected.values())} ({pairs(words)})" if rejected else "rejected 0"
     extra = [f"{k} {h[k]}" for k in ("errors", "timeouts") if h.get(k)]
+    if h.get("authenticated"):
+        extra.append("objects signed (storage secret)")
     if h.get("breaker") not in (None, "", "closed"):
         extra.append(f"breaker {h['breaker']}")
     stored = f"stored {h.get('stored', 0)}"

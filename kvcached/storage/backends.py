@@ -66,8 +66,10 @@ def _check_redis_url(url: str) -> None:
     except ValueError:
         pass
     if not ok:
-        raise ValueError("storage_url for redis must look like redis://127.0.0.1:6379, "
-                         f"got {url!r}")
+        from kvcached.storage.base import redact_url
+        raise ValueError("storage_url for redis must look like redis://127.0.0.1:6379 "
+                         "(redis://user:password@host:port with a password, rediss:// "
+                         f"over TLS), got {redact_url(url)!r}")
 
 
 def _mooncake_url(url: str) -> str:

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 Buffer = Any  # a buffer-protocol object or a list of them (scatter / gather)
 
+# get_into's result for an object larger than its buffers: nothing was read (and
+# nothing allocated for it), the BlockStore counts it as reason ``oversize``.
+OVERSIZE = -2
+
 
 class BackendError(Exception):
     """The backend as a whole failed (unreachable, protocol error): trips the breaker."""
@@ -198,7 +202,8 @@ class StorageBackend(ABC):
         return [bool(x) for x in res]
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[int]:
-        """Read each object into its buffer(s); bytes read per key, -1 for a miss."""
+        """Read each object into its buffer(s); bytes read per key, -1 for a miss,
+        :data:`OVERSIZE` for an object larger than its buffers (not read)."""
         keys = list(keys)
         _same_len(keys, buffers, "buffers")
         parts = [as_parts(b) for b in buffers]
@@ -295,7 +300,7 @@ class StorageBackend(ABC):
         return result
 
     def _failed(self, fn: Callable, e: Exception) -> None:
-        self._last_error = f"{fn.__name__.lstrip('_')}: {type(e).__name__}: {e}"
+        self._last_error = self._redact(f"{fn.__name__.lstrip('_')}: {type(e).__name__}: {e}")
         opened = self.breaker.record_failure() if self.breaker is not None else False
         with self._log_lock:  # warn on the first failure and first open of an outage only
             first, self._logged_down = not self._logged_down, True
@@ -336,6 +341,26 @@ class StorageBackend(ABC):
 
     def _extra_stats(self) -> dict:
         return {}
+
+    def _redact(self, text: str) -> str:
+        """Hide credentials in an error text (stats' last_error, logs)."""
+        return text
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``scheme://user:PASSWORD@host``) replaced by ``***``,
+    for stats, errors and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        u = urlsplit(url)
+        if u.password is None:
+            return url
+        user = u.username or ""
+        host = u.netloc.rpartition("@")[2]
+        return urlunsplit(u._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:  # unparsable: hide whatever may sit before an '@'
+        return "***@" + url.rpartition("@")[2] if "@" in url else url
 
 
 def _same_len(keys: list, buffers: Sequence, what: str) -> None:

@@ -24,12 +24,14 @@ import numpy as np
 import torch
 
 from kvcached.storage.backends import open_backend
-from kvcached.storage.base import Counters, StorageBackend
+from kvcached.storage.base import OVERSIZE, Counters, StorageBackend
 from kvcached.storage.objects import (
-    HEADER_SIZE,
     MISS_REASONS,
+    header_size,
+    mac_namespace,
     object_key,
     pack_header_into,
+    signed_by_other,
     storage_namespace,
     verify_object,
 )
@@ -38,7 +40,9 @@ logger = logging.getLogger(__name__)
 
 # Reasons that mean "this object is damaged": delete it so a later store can
 # rewrite it (Mooncake never overwrites). A layout or version mismatch may be
-# another deployment's valid object and is left alone.
+# another deployment's valid object and is left alone, as is an object too large
+# to be ours. A failed MAC is damage (or forgery) when the object names one of
+# our secrets, else it is another fleet's object (see _verify_prefix).
 _DAMAGED = {"short_read", "bad_magic", "bad_header_crc", "length_mismatch",
             "checksum_mismatch", "wrong_block"}
 
@@ -54,10 +58,14 @@ def default_file_dir() -> str:
 
 
 class BlockStore:
-    """Stores and loads one rank's blocks through a :class:`StorageBackend`."""
+    """Stores and loads one rank's blocks through a :class:`StorageBackend`.
+
+    With ``auth`` (an :class:`~kvcached.storage.auth.ObjectAuth` from the fleet
+    secret) objects are signed on store and verified on load (see
+    ``objects.py``); their keys live under ``<namespace>@mac``."""
 
     def __init__(self, backend: StorageBackend, layout_digest: str, rank: int,
-                 tp_size: int, namespace: str) -> None:
+                 tp_size: int, namespace: str, auth=None) -> None:
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank must be in [0, {tp_size}), got {rank}")
         self.backend = backend
@@ -65,6 +73,8 @@ class BlockStore:
         self.rank = rank
         self.tp_size = tp_size
         self.namespace = namespace
+        self.auth = auth
+        self.header_size = header_size(auth)
         self.counters = Counters("blocks_stored", "blocks_already_stored",
                                  "blocks_store_failed", "blocks_loaded",
                                  "load_misses", "lookups", "lookup_hits", "damaged_deleted",
@@ -90,9 +100,14 @@ class BlockStore:
             opts = {"max_bytes": max(cap // cfg.tp_size, 1) if cap > 0 else 0,
                     "disk_fraction": DEFAULT_DISK_FRACTION / cfg.tp_size if cap == 0 else 0.0,
                     "index_suffix": f"/{rank}of{cfg.tp_size}"}
+        secrets = cfg.storage_secrets()
+        auth = None
+        if secrets:
+            from kvcached.storage.auth import ObjectAuth
+            auth = ObjectAuth(secrets)
         backend = open_backend(kind, url, **opts)
         ns = storage_namespace(cfg.model_id, cfg.weight_version, cfg.salt)
-        return cls(backend, cfg.layout.digest, rank, cfg.tp_size, ns)
+        return cls(backend, cfg.layout.digest, rank, cfg.tp_size, ns, auth=auth)
 
     # ------------------------------------------------------------ keys
     def set_namespace(self, namespace: str) -> None:
@@ -104,6 +119,8 @@ class BlockStore:
     def keys(self, hashes: Sequence[bytes], namespace: str | None = None) -> list[str]:
         """Backend keys of ``hashes`` for this rank."""
         ns = namespace or self.namespace
+        if self.auth is not None:
+            ns = mac_namespace(ns)
         return [object_key(ns, h, self.rank, self.tp_size) for h in hashes]
 
     # ------------------------------------------------------------ API
@@ -130,13 +147,15 @@ class BlockStore:
 
     def _put(self, hashes: Sequence[bytes], host_ids: Sequence[int], keys: list[str],
              view: memoryview, bb: int) -> list[bool]:
+        hs = self.header_size
         with self._arena(len(hashes)) as hdrs:
             bufs = []
             for i, (h, hid) in enumerate(zip(hashes, host_ids, strict=True)):
                 payload = view[hid * bb:(hid + 1) * bb]
-                hdr = hdrs[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
+                hdr = hdrs[i * hs:(i + 1) * hs]
                 pack_header_into(hdr, layout_digest=self.layout_digest, block_hash=h,
-                                 rank=self.rank, tp_size=self.tp_size, payload=payload)
+                                 rank=self.rank, tp_size=self.tp_size, payload=payload,
+                                 auth=self.auth, key=keys[i])
                 bufs.append([hdr, payload])
             ok = self.backend.put_from(keys, bufs)
         self.counters.inc("blocks_stored", sum(ok))
@@ -174,28 +193,35 @@ class BlockStore:
         view, bb = self._pool_view(host_pool, host_ids)
         keys = self.keys(hashes)
         with self._arena(len(hashes)) as hdrs:
-            hdr_views = [hdrs[i * HEADER_SIZE:(i + 1) * HEADER_SIZE] for i in range(len(keys))]
+            hs = self.header_size
+            hdr_views = [hdrs[i * hs:(i + 1) * hs] for i in range(len(keys))]
             payloads = [view[hid * bb:(hid + 1) * bb] for hid in host_ids]
             bufs = [[h, p] for h, p in zip(hdr_views, payloads, strict=True)]
             nread = self.backend.get_into(keys, bufs)
-            n, damaged = self._verify_prefix(hashes, hdr_views, payloads, nread)
+            n, damaged = self._verify_prefix(hashes, keys, hdr_views, payloads, nread)
         self.counters.inc("blocks_loaded", n)
         if damaged:
             self.backend.delete([keys[n]])
             self.counters.inc("damaged_deleted")
         return n
 
-    def _verify_prefix(self, hashes, hdrs, payloads, nread) -> tuple[int, bool]:
+    def _verify_prefix(self, hashes, keys, hdrs, payloads, nread) -> tuple[int, bool]:
         """Count intact objects from the start; stop at the first bad one."""
         for i, h in enumerate(hashes):
+            if nread[i] == OVERSIZE:  # larger than a block: the backend read nothing
+                self._rejected(h, "oversize")
+                return i, False
             if nread[i] < 0:
                 self.counters.inc("load_misses")
                 return i, False
             reason = verify_object(hdrs[i], payloads[i], nread=nread[i],
                                    layout_digest=self.layout_digest, block_hash=h,
-                                   rank=self.rank, tp_size=self.tp_size)
+                                   rank=self.rank, tp_size=self.tp_size, auth=self.auth,
+                                   key=keys[i])
             if reason is not None:
                 self._rejected(h, reason)
+                if reason == "bad_mac":  # another secret's object is left alone
+                    return i, not signed_by_other(hdrs[i], self.auth)
                 return i, reason in _DAMAGED
         return len(hashes), False
 
@@ -204,7 +230,7 @@ class BlockStore:
         with self._lock:  # warn once per reason: a mismatch storm must not flood logs
             first = reason not in self._warned
             self._warned.add(reason)
-        key = object_key(self.namespace, block_hash, self.rank, self.tp_size)
+        key = self.keys([block_hash])[0]
         (logger.warning if first else logger.debug)(
             "storage object %s rejected (%s); treated as a miss", key, reason)
 
@@ -233,7 +259,7 @@ class BlockStore:
                "load_misses": c["load_misses"], "damaged_deleted": c["damaged_deleted"],
                "rejected": {r: c[f"miss_{r}"] for r in MISS_REASONS if c[f"miss_{r}"]},
                "errors": b.get("errors", 0), "timeouts": b.get("timeouts", 0),
-               "breaker": b.get("breaker_state", "")}
+               "breaker": b.get("breaker_state", ""), "authenticated": self.auth is not None}
         if "bytes_used" in b:
             out.update(used_bytes=b["bytes_used"], max_bytes=b.get("max_bytes", 0),
                        objects=b.get("objects", 0))
@@ -276,12 +302,12 @@ class BlockStore:
     def _arena(self, n: int):
         """Header buffers for ``n`` objects, reused across calls (and registered)."""
         with self._lock:
-            fits = [a for a in self._free_arenas if a.nbytes >= n * HEADER_SIZE]
+            fits = [a for a in self._free_arenas if a.nbytes >= n * self.header_size]
             arena = fits[0] if fits else None
             if arena is not None:
                 self._free_arenas.remove(arena)
         if arena is None:
-            arena = np.zeros(max(n, 256) * HEADER_SIZE, dtype=np.uint8)
+            arena = np.zeros(max(n, 256) * self.header_size, dtype=np.uint8)
             self.backend.register_memory(memoryview(arena))
         try:
             yield memoryview(arena)

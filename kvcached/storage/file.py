@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from kvcached.storage.base import BackendError, StorageBackend, parts_len
+from kvcached.storage.base import OVERSIZE, BackendError, StorageBackend, parts_len
 from kvcached.storage.ledger import SharedLedger
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class FileBackend(StorageBackend):
             size = os.fstat(fd).st_size
             if size > parts_len(parts):
                 self.counters.inc("oversize_objects")
-                return -1
+                return OVERSIZE
             n = _readv_all(fd, parts)
             _touch(fd)
         except OSError as e:

@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from kvcached.storage.base import (
+    OVERSIZE,
     BackendError,
     BackendTimeout,
     CircuitBreaker,
@@ -212,7 +213,10 @@ class MooncakeBackend(StorageBackend):
         if code == NOT_FOUND or code == RPC_FAIL:
             return -1
         size = store.get_size(pkey)
-        if size < 0 or size > parts_len(parts) or size == parts_len(parts):
+        if size > parts_len(parts):
+            self.counters.inc("oversize_objects")
+            return OVERSIZE  # never read: nothing is allocated beyond a block
+        if size < 0 or size == parts_len(parts):
             return -1  # gone, too large to be ours, or a real transfer failure
         tmp = np.empty(max(size, 1), dtype=np.uint8)
         n = store.get_into(pkey, tmp.ctypes.data, size)

@@ -19,6 +19,24 @@ Header (little-endian)::
     44  16s block hash (zero padded)
     60  I   crc32 of bytes 0..59
 
+With a fleet secret (:mod:`kvcached.storage.auth`) objects are written as
+format version 2, ``flags`` bit 0 set, checksum kind 0 (none: the MAC covers
+the payload) and a 128-byte header, the first 64 bytes as above, then::
+
+    64  8s  key id of the secret that signed it
+    72  16s salt (random per object)
+    88  24s zero
+    112 16s tag: AES-GMAC keyed per object from the secret, the object's key
+            (its namespace: model, weight version, salt) and bytes 0..111,
+            over bytes 0..111 and the payload
+
+and the key's namespace gets the suffix ``@mac``, so authenticated and
+unauthenticated objects never share a key (a store used before the secret was
+set serves nothing old, and blocks nothing from being written again).
+Without a secret, objects are version 1 as they always were; a reader with a
+secret rejects them (``bad_mac``), a reader without one rejects version 2
+(``bad_version``).
+
 A reader checks every field against what it expects; any difference is a miss
 with a reason (see :func:`verify_object`), never data.
 """
@@ -41,6 +59,11 @@ except ImportError:  # pragma: no cover - depends on the environment
 MAGIC = b"KVCB"
 FORMAT_VERSION = 1
 HEADER_SIZE = 64
+MAC_FORMAT_VERSION = 2
+MAC_HEADER_SIZE = 128
+MAC_NAMESPACE_SUFFIX = "@mac"
+FLAG_MAC = 1
+CHECKSUM_NONE = 0  # version 2 only: the MAC covers the payload
 CHECKSUM_CRC32 = 1
 CHECKSUM_XXH3 = 2
 DEFAULT_CHECKSUM = CHECKSUM_XXH3 if _xxhash is not None else CHECKSUM_CRC32
@@ -48,11 +71,14 @@ DEFAULT_CHECKSUM = CHECKSUM_XXH3 if _xxhash is not None else CHECKSUM_CRC32
 _BODY = struct.Struct("<4sHBBHHQQ16s16s")  # 60 bytes, then the header crc32
 _CRC = struct.Struct("<I")
 assert _BODY.size + _CRC.size == HEADER_SIZE
+_SIGNED = 112  # bytes of a version 2 header the tag covers; the tag follows
+_KID = slice(64, 72)
+_SALT = slice(72, 88)
 
 # Reasons a read is rejected; each one is a stats counter in BlockStore.
 MISS_REASONS = ("short_read", "bad_magic", "bad_version", "bad_header_crc",
                 "unknown_checksum", "layout_mismatch", "wrong_block",
-                "length_mismatch", "checksum_mismatch")
+                "length_mismatch", "checksum_mismatch", "bad_mac", "oversize")
 
 
 def checksum(data, kind: int = DEFAULT_CHECKSUM) -> int:
@@ -88,40 +114,69 @@ def hash_field(block_hash: bytes) -> bytes:
     return _field16(bytes(block_hash)).ljust(16, b"\0")
 
 
+def header_size(auth=None) -> int:
+    """Header bytes of the objects written (and read) with ``auth`` (or without)."""
+    return MAC_HEADER_SIZE if auth is not None else HEADER_SIZE
+
+
 def pack_header_into(buf, *, layout_digest: str, block_hash: bytes, rank: int,
-                     tp_size: int, payload, kind: int = DEFAULT_CHECKSUM) -> None:
-    """Write the header describing ``payload`` into the first 64 bytes of ``buf``."""
-    body = _BODY.pack(MAGIC, FORMAT_VERSION, kind, 0, rank, tp_size, len(payload),
-                      checksum(payload, kind), digest_field(layout_digest),
-                      hash_field(block_hash))
-    buf[:_BODY.size] = body
-    buf[_BODY.size:HEADER_SIZE] = _CRC.pack(zlib.crc32(body))
+                     tp_size: int, payload, kind: int = DEFAULT_CHECKSUM,
+                     auth=None, key: str = "") -> None:
+    """Write the header describing ``payload`` into the first
+    ``header_size(auth)`` bytes of ``buf``. With ``auth`` (an
+    :class:`~kvcached.storage.auth.ObjectAuth`) the object is signed for ``key``."""
+    if auth is None:
+        body = _BODY.pack(MAGIC, FORMAT_VERSION, kind, 0, rank, tp_size, len(payload),
+                          checksum(payload, kind), digest_field(layout_digest),
+                          hash_field(block_hash))
+        buf[:_BODY.size] = body
+        buf[_BODY.size:HEADER_SIZE] = _CRC.pack(zlib.crc32(body))
+        return
+    if not key:
+        raise ValueError("an authenticated object needs its key")
+    body = _BODY.pack(MAGIC, MAC_FORMAT_VERSION, CHECKSUM_NONE, FLAG_MAC, rank, tp_size,
+                      len(payload), 0, digest_field(layout_digest), hash_field(block_hash))
+    signed = bytearray(_SIGNED)
+    signed[:_BODY.size] = body
+    signed[_BODY.size:HEADER_SIZE] = _CRC.pack(zlib.crc32(body))
+    signed[_KID] = auth.signing_key_id
+    signed[_SALT] = auth.new_salt()
+    buf[:_SIGNED] = signed
+    buf[_SIGNED:MAC_HEADER_SIZE] = auth.tag(auth.signing_key_id, key, signed, payload)
 
 
 def pack_header(**kwargs) -> bytes:
-    """The 64-byte header as bytes (see :func:`pack_header_into` for arguments)."""
-    buf = bytearray(HEADER_SIZE)
+    """The header as bytes (see :func:`pack_header_into` for arguments)."""
+    buf = bytearray(header_size(kwargs.get("auth")))
     pack_header_into(buf, **kwargs)
     return bytes(buf)
 
 
 def verify_object(header, payload, *, nread: int, layout_digest: str,
-                  block_hash: bytes, rank: int, tp_size: int) -> str | None:
+                  block_hash: bytes, rank: int, tp_size: int, auth=None,
+                  key: str = "") -> str | None:
     """Check a read object; ``None`` when it is intact, else the miss reason.
 
     ``nread`` is how many bytes the backend delivered (header + payload).
     ``payload`` is the buffer the payload was read into; its length is the
-    expected payload length.
+    expected payload length. With ``auth`` the object must be a version 2
+    object whose tag verifies for ``key`` (else ``bad_mac``); the cheap
+    checks come first, so a rejected header costs no pass over the payload.
     """
-    if nread != HEADER_SIZE + len(payload):
-        return "short_read" if nread < HEADER_SIZE + len(payload) else "length_mismatch"
-    raw = bytes(header[:HEADER_SIZE])
-    (magic, version, kind, _flags, h_rank, h_tp, length, csum, digest,
+    hsize = header_size(auth)
+    if nread < hsize:  # the header buffer may hold a previous object's bytes
+        return "short_read"
+    raw = bytes(header[:hsize])
+    (magic, version, kind, flags, h_rank, h_tp, length, csum, digest,
      bhash) = _BODY.unpack_from(raw)
     if magic != MAGIC:
         return "bad_magic"
-    if version != FORMAT_VERSION:
+    if auth is not None and version == FORMAT_VERSION:
+        return "bad_mac"  # unauthenticated (the documented format, forgeable by anyone)
+    if version != (FORMAT_VERSION if auth is None else MAC_FORMAT_VERSION):
         return "bad_version"
+    if nread != hsize + len(payload):
+        return "short_read" if nread < hsize + len(payload) else "length_mismatch"
     if _CRC.unpack_from(raw, _BODY.size)[0] != zlib.crc32(raw[:_BODY.size]):
         return "bad_header_crc"
     if digest != digest_field(layout_digest):
@@ -130,11 +185,26 @@ def verify_object(header, payload, *, nread: int, layout_digest: str,
         return "wrong_block"
     if length != len(payload):
         return "length_mismatch"
+    if auth is not None:
+        if not flags & FLAG_MAC or not auth.check(raw[_KID], key, raw[:_SIGNED], payload,
+                                                   raw[_SIGNED:MAC_HEADER_SIZE]):
+            return "bad_mac"
+        return None
     if not checksum_available(kind):
         return "unknown_checksum"
     if checksum(payload, kind) != csum:
         return "checksum_mismatch"
     return None
+
+
+def signed_by_other(header, auth) -> bool:
+    """Whether a header is a version 2 object signed with a secret ``auth`` does
+    not hold (another fleet's, or a retired secret's): a failed tag then is no
+    sign of damage, and the object is left alone. A failed tag of an object that
+    names one of our secrets, or of an unsigned one, is damage or forgery."""
+    raw = bytes(header[:MAC_HEADER_SIZE])
+    return (len(raw) == MAC_HEADER_SIZE and raw[:4] == MAGIC
+            and _BODY.unpack_from(raw)[1] == MAC_FORMAT_VERSION and not auth.knows(raw[_KID]))
 
 
 # ------------------------------------------------------------------- keys
@@ -162,6 +232,12 @@ def storage_namespace(model_id: str, weight_version: str, salt: str = "") -> str
     if salt:
         ns += "+" + blake2b(salt.encode(), digest_size=6).hexdigest()
     return ns
+
+
+def mac_namespace(namespace: str) -> str:
+    """The key namespace of authenticated objects (``@mac`` appended: ``@`` never
+    occurs in a namespace's escaped components, so no other namespace ends so)."""
+    return namespace + MAC_NAMESPACE_SUFFIX
 
 
 def object_key(namespace: str, block_hash: bytes, rank: int, tp_size: int) -> str:

@@ -12,6 +12,11 @@ split per slot) and writes a non-transactional cluster pipeline.
 
 Redis evicts by its own policy: run it with ``maxmemory`` and
 ``maxmemory-policy allkeys-lru`` to cap its size.
+
+Reads ask for at most one byte more than the block's object (``GETRANGE``), so
+a value that someone made huge never lands in this process: it is a miss
+(``OVERSIZE``). The password of ``redis://user:password@host`` never leaves the
+client: stats, errors and logs show ``redis://user:***@host``.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import threading
 from collections.abc import Iterator
 
 from kvcached.storage.base import (
+    OVERSIZE,
     BackendError,
     BackendTimeout,
     CircuitBreaker,
     StorageBackend,
     copy_into_parts,
     parts_len,
+    redact_url,
 )
 
 logger = logging.getLogger(__name__)
@@ -150,20 +157,22 @@ class RedisBackend(StorageBackend):
     def _get_into(self, keys: list[str], parts: list[list[memoryview]]) -> list[int]:
         c = self._conn()
         sizes = [parts_len(p) for p in parts]
-        mget = c.mget_nonatomic if self._is_cluster else c.mget
         out: list[int] = []
         for rng in self._chunks(len(keys), sizes):
-            values = self._call(mget, [self.prefix + keys[i] for i in rng])
+            pipe = c.pipeline(transaction=False)
+            for i in rng:  # at most size + 1 bytes: enough to tell an oversize value
+                pipe.getrange(self.prefix + keys[i], 0, sizes[i])
+            values = self._call(pipe.execute, raise_on_error=False)
             for i, v in zip(rng, values, strict=True):
-                out.append(self._deliver(v, parts[i], sizes[i]))
+                out.append(self._deliver(v, parts[i], sizes[i]) if self._ok(v) else -1)
         return out
 
     def _deliver(self, value, parts: list[memoryview], size: int) -> int:
-        if value is None:
+        if not value:  # a missing key reads as b"" (no object is empty)
             return -1
         if len(value) > size:
             self.counters.inc("oversize_objects")
-            return -1
+            return OVERSIZE
         return copy_into_parts(value, parts)
 
     def _put_from(self, keys: list[str], parts: list[list[memoryview]]) -> list[bool]:
@@ -225,7 +234,22 @@ class RedisBackend(StorageBackend):
             client.close()
 
     def _extra_stats(self) -> dict:
-        return {"url": self.url, "cluster": self._is_cluster, "prefix": self.prefix}
+        return {"url": redact_url(self.url), "cluster": self._is_cluster, "prefix": self.prefix}
+
+    def _redact(self, text: str) -> str:
+        password = _password(self.url)
+        text = text.replace(self.url, redact_url(self.url))
+        return text.replace(password, "***") if len(password) >= 4 else text
+
+
+def _password(url: str) -> str:
+    from urllib.parse import unquote, urlsplit
+
+    try:
+        pw = urlsplit(url).password
+    except ValueError:
+        return ""
+    return unquote(pw) if pw else ""
 
 
 def _glob_escape(s: str) -> str:

@@ -30,6 +30,7 @@ from conftest_storage import (  # noqa: E402
 )
 
 from kvcached.storage import HEADER_SIZE, open_backend  # noqa: E402
+from kvcached.storage.base import OVERSIZE  # noqa: E402
 
 redis = pytest.importorskip("redis", reason="the 'redis' package is not installed "
                             "(pip install 'kvcached[redis]')")
@@ -69,7 +70,7 @@ def test_redis_raw_api_and_prefix(server):
     bufs = [bytearray(5), [bytearray(2), bytearray(3)], bytearray(1)]
     assert be.get_into(["ns/a", "ns/b", "ns/c"], bufs) == [5, 5, -1]
     assert bytes(bufs[0]) == b"hello" and bytes(bufs[1][0] + bufs[1][1]) == b"world"
-    assert be.get_into(["ns/a"], [bytearray(2)]) == [-1]  # larger than the buffer
+    assert be.get_into(["ns/a"], [bytearray(2)]) == [OVERSIZE]  # larger than the buffer: not read
     be.delete(["ns/a"])
     assert be.exists(["ns/a", "ns/b"]) == [False, True]
     be.clear()
