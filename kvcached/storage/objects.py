@@ -26,9 +26,9 @@ the payload) and a 128-byte header, the first 64 bytes as above, then::
     64  8s  key id of the secret that signed it
     72  16s salt (random per object)
     88  24s zero
-    112 16s tag: AES-GMAC keyed per object from the secret, the object's key
-            (its namespace: model, weight version, salt) and bytes 0..111,
-            over bytes 0..111 and the payload
+    112 16s tag: AES-GMAC of the payload under a key derived per object from
+            the secret, the object's key (its namespace: model, weight
+            version, salt) and bytes 0..111 (see auth.py)
 
 and the key's namespace gets the suffix ``@mac``, so authenticated and
 unauthenticated objects never share a key (a store used before the secret was
