@@ -147,13 +147,15 @@ class CacheManager:
             return
         self._closed = True
         with self._lock:
-            if self._transfer is not None:
-                try:  # pending stores finish first: they are what survives a restart
-                    self.planner.wait_background(self.cfg.task_timeout_s + 5.0)
-                except TimeoutError as e:
-                    logger.warning("close: %s", e)
-                self._transfer.close()
-            self._release_shared_memory()
+            try:
+                if self._transfer is not None:
+                    try:  # pending stores finish first: they are what survives a restart
+                        self.planner.wait_background(self.cfg.task_timeout_s + 5.0)
+                    except TimeoutError as e:
+                        logger.warning("close: %s", e)
+                    self._transfer.close()
+            finally:  # the host pools go whatever the transfer did: gigabytes of shm
+                self._release_shared_memory()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

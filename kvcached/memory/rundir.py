@@ -78,6 +78,27 @@ def create_run_dir(configured: str) -> tuple[Path, bool]:
     return path, own
 
 
+def mark_temporary(run_dir: str | os.PathLike, pid: int | None = None,
+                   replace: bool = True) -> None:
+    """Mark ``run_dir`` as a temporary run directory of engine ``pid`` (this
+    process): ``engine.pid`` names it, so that a later start (or ``kvcached
+    cleanup``, or the engine's janitor) removes the directory once that pid is
+    gone. ``replace=False`` leaves a mark that is already there."""
+    path = Path(run_dir) / PID_FILE
+    pid = os.getpid() if pid is None else pid
+    if not replace:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(str(pid))
+        return
+    tmp = path.with_name(f".{PID_FILE}.{os.getpid()}")
+    tmp.write_text(str(pid))
+    os.replace(tmp, path)
+
+
 def stale_run_dirs(parent: str | None = None) -> list[tuple[Path, int]]:
     """Temp run directories (ours: they hold ``engine.pid``) whose engine pid is gone."""
     out = []

@@ -517,8 +517,12 @@ class WorkerTransfer(Transfer):
             self._ready_cv.notify_all()
 
     def _spawn(self, w: _WorkerState) -> None:
+        # A session of its own: a Ctrl-C meant for the engine is the engine's
+        # to act on (it stops its workers at close); a worker outlives a dead
+        # engine by at most half a heartbeat interval (it watches the pid).
         w.proc = spawn_worker(w.rank, self.run_dir, self.log_dir, "--engine-pid",
-                              str(os.getpid()), "--restarts", str(w.restarts))
+                              str(os.getpid()), "--restarts", str(w.restarts),
+                              new_session=True)
         w.last_seen = time.monotonic()
         w.state, w.ready_at = "starting", 0.0  # a crash before ready counts as instant
         logger.info("coordinator: spawned rank %d as pid %d", w.rank, w.proc.pid)

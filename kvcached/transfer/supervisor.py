@@ -66,18 +66,21 @@ def worker_env() -> dict[str, str]:
 
 
 def spawn_worker(rank: int, run_dir, log_dir: Path, *args: str,
-                 detach_from: int | None = None) -> subprocess.Popen:
+                 detach_from: int | None = None, new_session: bool = False
+                 ) -> subprocess.Popen:
     """Start rank ``rank``'s worker (``args``: more options), its stderr appended
-    to ``log_dir/worker-rank{rank}.stderr``. ``detach_from``: the pid of a
-    supervising process; the worker then runs in a session of its own (a
-    terminal's Ctrl-C reaches the supervisor only, which stops it in order)
-    and gets SIGTERM from the kernel if that process dies."""
+    to ``log_dir/worker-rank{rank}.stderr``. ``new_session``: the worker runs
+    in a session of its own, so a terminal's Ctrl-C (or a signal to the
+    engine's process group) reaches the process that supervises it only, which
+    stops it in order, rather than killing it mid-task and having it restarted.
+    ``detach_from``: the pid of a supervising process; a session of its own
+    too, and SIGTERM from the kernel if that process dies."""
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / f"worker-rank{rank}.stderr", "ab") as err:
         return subprocess.Popen(
             worker_command(rank, run_dir, *args), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=err, env=worker_env(),
-            start_new_session=detach_from is not None,
+            start_new_session=new_session or detach_from is not None,
             preexec_fn=_die_with(detach_from) if detach_from is not None else None)
 
 

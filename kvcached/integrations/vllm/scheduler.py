@@ -54,13 +54,16 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
 from kvcached.core.manager import EngineLoad, EngineSave
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.integrations.vllm import observe
-from kvcached.memory import kvshare
+from kvcached.memory import kvshare, rundir
+from kvcached.ops import janitor
 from kvcached.ops.wiring import CacheManager
 from kvcached.tasks import Task, TaskHandle, TaskResult
 
@@ -195,6 +198,18 @@ class SchedulerHalf:
         self.lookup_timeout_s = cfg.storage_lookup_timeout_s
         # A prefix moving for another request lands within a task's time.
         self.move_wait_s = cfg.task_timeout_s
+        # A run dir kvcached named (no run_dir configured) is temporary: it
+        # goes at close, or, if this process dies first, with the janitor, the
+        # next start or `kvcached cleanup`. vLLM's server stops this process
+        # with SIGKILL (its shutdown timeout is 0 by default), before it would
+        # close the connector: the janitor, outside vLLM's process tree,
+        # removes the CPU tier's shared memory and the run dir then.
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.temporary = not extra.get("run_dir")
+        if self.temporary:
+            rundir.mark_temporary(self.run_dir)
+        self.janitor = janitor.watch(os.getpid(), self.run_dir,
+                                     cfg.log_dir or self.run_dir / "logs")
         self.mgr = CacheManager(cfg).start()
         # vLLM asks for KV events every step, published or not: kvcached keeps
         # them (and the names they carry) only when vLLM publishes them.
@@ -623,7 +638,11 @@ class SchedulerHalf:
         try:
             self._drain_saves(time.monotonic() + self.move_wait_s)
         finally:
-            self.mgr.close()
+            try:
+                self.mgr.close()
+            finally:
+                if self.temporary:
+                    shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _drain_saves(self, deadline: float) -> None:
         """vLLM closes the connector after its model executor, between steps, so
