@@ -33,17 +33,43 @@ import time
 from pathlib import Path
 
 
-def make_model(path: str, layers: int = 2, hidden: int = 128) -> str:
-    """A small Llama with random weights (nothing downloaded); reused if present."""
+def make_model(path: str, layers: int = 2, hidden: int = 128, family: str = "llama") -> str:
+    """A small model with random weights (nothing downloaded); reused if present.
+    ``family``: ``llama`` (full attention), ``gemma3`` (sliding-window layers
+    of 64 tokens and a full-attention one, vLLM's hybrid KV cache manager),
+    ``deepseek_v2`` (MLA: one 576-wide latent per token and layer)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                      num_key_value_heads=max(1, hidden // 128), max_position_embeddings=8192)
+    import transformers as tf
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    common = {"vocab_size": 1024, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+              "num_hidden_layers": layers, "max_position_embeddings": 8192}
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common, num_attention_heads=max(1, hidden // 64),
+                             num_key_value_heads=max(1, hidden // 128))
+        model = tf.LlamaForCausalLM(cfg)
+    elif family == "gemma3":
+        # untied output embeddings and a wider init: a random Gemma 3 otherwise
+        # repeats one token, and the tests compare outputs token by token
+        cfg = tf.Gemma3TextConfig(**common, num_attention_heads=2, num_key_value_heads=1,
+                                  head_dim=64, sliding_window=64, initializer_range=0.2,
+                                  tie_word_embeddings=False,
+                                  layer_types=["sliding_attention"] * (layers - 1)
+                                  + ["full_attention"])
+        model = tf.Gemma3ForCausalLM(cfg)
+    elif family == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(**common, moe_intermediate_size=hidden // 2,
+                                  num_attention_heads=2, num_key_value_heads=2,
+                                  kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_shared_experts=1,
+                                  first_k_dense_replace=1, topk_group=1, n_group=1,
+                                  initializer_range=0.2)
+        model = tf.DeepseekV2ForCausalLM(cfg)
+    else:
+        raise ValueError(f"unknown model family {family!r}")
+    model.to(torch.bfloat16).save_pretrained(path)
     return path
 
 

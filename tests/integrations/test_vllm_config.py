@@ -14,6 +14,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 
@@ -21,9 +24,14 @@ from kvcached.integrations.vllm import config as vconfig  # noqa: E402
 
 
 def kv_config(groups=None, num_blocks=100, hash_block_size=None) -> KVCacheConfig:
+    """vLLM's KV cache config: each group's layers overlaid on the same pages,
+    as vLLM's hybrid allocator lays them (layer i of every group at one place)."""
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     groups = groups or [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(3)], spec)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+    page = groups[0].kv_cache_spec.page_size_bytes
+    tensors = [KVCacheTensor(size=page * num_blocks * len(g.layer_names), layers=g.layer_names,
+                             layer_stride=page * num_blocks, block_stride=page) for g in groups]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
                          hash_block_size=hash_block_size)
 
 
@@ -35,7 +43,8 @@ def engine_config(tmp_path, extra=None, tp=1, pp=1, model="org/model") -> Simple
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         model_config=SimpleNamespace(model=model, revision=None, dtype=torch.bfloat16,
                                      quantization=None, hf_config=hf),
-        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"))
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256",
+                                     enable_prefix_caching=True))
 
 
 def test_layout_and_identity_come_from_vllm(tmp_path):
@@ -89,13 +98,57 @@ def test_bad_extra_config_names_the_key(tmp_path, extra, match):
     assert "kv_connector_extra_config" in str(err.value)
 
 
+FULL = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+SWA = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                        sliding_window=128)
+
+
+def test_a_hybrid_model_caches_every_group_in_shared_pages(tmp_path):
+    """Gemma 3's shape: sliding-window groups and a full one, overlaid on the
+    same pages: kvcached's planes are the distinct page regions (two here, as
+    each group has two layers), every group cached."""
+    groups = [KVCacheGroupSpec([f"l{g}.{i}" for i in range(2)], SWA if g < 2 else FULL)
+              for g in range(3)]
+    kv = kv_config(groups)
+    assert [(g.kind, g.window) for g in vconfig.cached_groups(kv)] == \
+        [("sliding", 128), ("sliding", 128), ("full", None)]
+    assert vconfig.physical_layers(kv) == ["l0.0", "l0.1"]
+    cfg = vconfig.cache_config(engine_config(tmp_path), kv, True)
+    assert (cfg.num_layers, cfg.block_size, cfg.fused_kv, cfg.mla) == (2, 32, True, False)
+
+
+def test_an_mla_model_caches_one_latent_plane_per_layer(tmp_path):
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    cfg = vconfig.cache_config(engine_config(tmp_path),
+                               kv_config([KVCacheGroupSpec(["a", "b"], mla)]), True)
+    assert (cfg.num_layers, cfg.head_dim, cfg.block_size) == (2, 576, 16)
+    assert cfg.mla and not cfg.fused_kv  # one plane per layer, K only
+    assert [p.name for p in cfg.layout.planes] == ["layer0.k", "layer1.k"]
+
+
+def test_mla_loads_nothing_where_vllm_cannot_prefill_on_a_cached_prefix(tmp_path):
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    ec = engine_config(tmp_path)
+    cfg = vconfig.cache_config(ec, kv_config([KVCacheGroupSpec(["a"], mla)]), True)
+    assert cfg.device == "cpu" and vconfig.loads_unsupported(ec, cfg) is None
+    ec.cache_config.enable_prefix_caching = False  # what vLLM's CPU platform does for MLA
+    assert "serves no hits" in vconfig.loads_unsupported(ec, cfg)
+    full = vconfig.cache_config(ec, kv_config(), True)
+    assert vconfig.loads_unsupported(ec, full) is None  # attention prefills on any prefix
+
+
 def test_unsupported_models_are_refused_with_the_reason(tmp_path):
-    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
-                            sliding_window=128)
-    hybrid = kv_config([KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], swa)])
-    with pytest.raises(ValueError, match="one full-attention KV cache group"):
-        vconfig.cache_config(engine_config(tmp_path), hybrid, True)
+    mamba = MambaSpec(block_size=32, shapes=((4, 64), (2, 16, 16)),
+                      dtypes=(torch.bfloat16, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"org/model has MambaSpec \(groups: "
+                                         r"\['FullAttentionSpec', 'MambaSpec'\]\)"):
+        vconfig.cache_config(engine_config(tmp_path), kv_config(
+            [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["b"], mamba)]), True)
+    other = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16,
+                              sliding_window=128)
+    with pytest.raises(ValueError, match="share one page layout.*group 1 has \\(32, 4, 64"):
+        vconfig.cache_config(engine_config(tmp_path), kv_config(
+            [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["b"], other)]), True)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         vconfig.cache_config(engine_config(tmp_path, pp=2), kv_config(), True)
     with pytest.raises(ValueError, match="hashes blocks of 16 tokens"):

@@ -24,9 +24,9 @@ from kvcached.tasks import Task, TaskHandle, TaskResult  # noqa: E402
 def half_with(lookup_handle=None, load_handle=None) -> S.SchedulerHalf:
     """A scheduler half holding one tracked request with that work in flight."""
     half = S.SchedulerHalf.__new__(S.SchedulerHalf)  # no vLLM config: only its state
-    t = S.Tracked(request=None, creq=None)
+    t = S.Tracked(request=None, creqs=[None])
     if lookup_handle is not None:
-        t.lookup = S.Lookup(0, 4, None, handle=lookup_handle)
+        t.lookup = S.Lookup(((0, 0),), 4, [None], handle=lookup_handle)
     if load_handle is not None:
         t.loads.append(S.Load(plan=None, parts=[S.Part(batch=load_handle)]))
     half.reqs = {"r": t}
@@ -107,14 +107,16 @@ def half_saving(lag: int) -> tuple[S.SchedulerHalf, SavingManager]:
     half.mgr, half.lag, half.step = SavingManager(), lag, 2
     half.events_on, half.block_pool, half.stats = False, None, S.observe.KvcachedStats()
     half.move_wait_s, half.saving, half.sent, half.block_bytes = 5.0, [], set(), 64
+    half.temporary = False  # a run dir of the test's own
 
     class Request:
         request_id, block_hashes = "r", [b"a", b"b", b"c", b"d"]
-    t = S.Tracked(request=Request(), creq=None, n_keys=4, saved=4, saves=2, finished=True,
+    t = S.Tracked(request=Request(), creqs=[None], n_keys=4, saved=4, saves=2, finished=True,
                   delayed=True)
     half.reqs = {"r": t}
-    half.saves = collections.deque([S.SavePlan(1, "r", 2, [10, 11, 12, 13]),
-                                    S.SavePlan(2, "r", 4, [10, 11, 12, 13])])
+    half.groups, half.tags = [S.vconfig.Group(0, "full", ("l",))], [b""]
+    half.saves = collections.deque([S.SavePlan(1, "r", 2, ([10, 11, 12, 13],)),
+                                    S.SavePlan(2, "r", 4, ([10, 11, 12, 13],))])
     return half, half.mgr
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,30 +41,82 @@ def run_dir_of(vllm_config) -> Path:
     return Path(tempfile.gettempdir()) / f"kvcached-vllm-{vllm_config.kv_transfer_config.engine_id}"
 
 
-def attention_spec(kv_cache_config):
-    """The one full-attention KV cache group kvcached can cache, or ValueError."""
+# The KV cache group kinds kvcached caches, by vLLM's spec class: a block of
+# each is keyed by (vLLM's block hash, group) and restored whole.
+CACHED_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding",
+                "MLAAttentionSpec": "mla"}
+
+
+@dataclass(frozen=True)
+class Group:
+    """One of vLLM's KV cache groups as kvcached caches it."""
+
+    index: int
+    kind: str  # "full", "sliding" or "mla"
+    layer_names: tuple[str, ...]
+    window: int | None = None  # tokens, for a sliding-window group
+
+
+def cached_groups(kv_cache_config, model: str = "this model") -> list[Group]:
+    """The model's KV cache groups, or ValueError naming what kvcached cannot
+    cache. Every group's blocks live in the same pages (vLLM overlays the
+    groups: a block id belongs to one group at a time), so the groups must
+    agree on the page: block size, KV heads, head size and dtype."""
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    if len(groups) != 1 or kinds[0] != "FullAttentionSpec":
+    unknown = sorted({k for k in kinds if k not in CACHED_KINDS})
+    if unknown:
         raise ValueError(
-            "kvcached caches models whose attention layers share one full-attention KV "
-            f"cache group; this model has {len(groups)} group(s): {kinds}")
-    spec = groups[0].kv_cache_spec
-    if spec.head_size_v != spec.head_size:
-        raise ValueError(f"kvcached caches K and V of one head size; this model's are "
-                         f"{spec.head_size} and {spec.head_size_v}")
+            f"kvcached caches full-attention, sliding-window and MLA KV cache groups; {model} "
+            f"has {', '.join(unknown)} (groups: {kinds}). Serve it without "
+            f"--kv-transfer-config, or with a connector that supports these layers")
+    if "MLAAttentionSpec" in kinds and len(groups) > 1:
+        raise ValueError(f"kvcached caches an MLA model whose layers form one KV cache group; "
+                         f"{model} has {len(groups)}: {kinds}")
+    first = groups[0].kv_cache_spec
+    for g in groups:
+        spec = g.kv_cache_spec
+        page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+        if page != (first.block_size, first.num_kv_heads, first.head_size, first.dtype):
+            raise ValueError(
+                f"kvcached needs every KV cache group of {model} to share one page layout "
+                f"(block size, KV heads, head size, dtype); group {groups.index(g)} has {page}, "
+                f"group 0 ({first.block_size}, {first.num_kv_heads}, {first.head_size}, "
+                f"{first.dtype})")
+        if kinds[0] != "MLAAttentionSpec" and spec.head_size_v != spec.head_size:
+            raise ValueError(f"kvcached caches K and V of one head size; {model}'s are "
+                             f"{spec.head_size} and {spec.head_size_v}")
     hash_block = getattr(kv_cache_config, "hash_block_size", None)
-    if hash_block not in (None, spec.block_size):
+    if hash_block not in (None, first.block_size):
         # kvcached keys one block by one of vLLM's block hashes
         raise ValueError(f"vLLM hashes blocks of {hash_block} tokens but caches blocks of "
-                         f"{spec.block_size}; kvcached needs the two equal")
-    return groups[0]
+                         f"{first.block_size}; kvcached needs the two equal")
+    return [Group(i, CACHED_KINDS[k], tuple(g.layer_names),
+                  getattr(g.kv_cache_spec, "sliding_window", None) if k == "SlidingWindowSpec"
+                  else None)
+            for i, (g, k) in enumerate(zip(groups, kinds, strict=True))]
+
+
+def physical_layers(kv_cache_config) -> list[str]:
+    """One layer name per distinct page region, in vLLM's order: the layers of
+    different groups that vLLM lays over the same bytes count once (copying a
+    block copies whichever group owns it). A model of one group has one per
+    layer."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return list(groups[0].layer_names)
+    seen: dict[tuple[int, int], str] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        for i, name in enumerate(tensor.layers):
+            seen.setdefault((tensor.offset + i * tensor.layer_stride, tensor.block_stride), name)
+    return list(seen.values())
 
 
 def derived_settings(vllm_config, kv_cache_config, fused_kv: bool) -> dict[str, Any]:
     """The CacheConfig fields vLLM decides."""
-    group = attention_spec(kv_cache_config)
-    spec = group.kv_cache_spec
+    model = str(vllm_config.model_config.model)
+    groups = cached_groups(kv_cache_config, model)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     dtype = DTYPES.get(str(spec.dtype))
     if dtype is None:
         raise ValueError(f"kvcached caches bfloat16, float16 or float32 KV; vLLM's KV cache "
@@ -73,12 +126,14 @@ def derived_settings(vllm_config, kv_cache_config, fused_kv: bool) -> dict[str, 
         raise ValueError("kvcached runs one transfer worker per tensor-parallel rank; "
                          f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not "
                          "supported")
+    mla = groups[0].kind == "mla"
     from vllm.platforms import current_platform
-    return {"num_layers": len(group.layer_names), "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_size, "dtype": dtype, "block_size": spec.block_size,
-            "tp_size": parallel.tensor_parallel_size, "num_gpu_blocks": kv_cache_config.num_blocks,
-            "device": "cpu" if current_platform.is_cpu() else "cuda", "fused_kv": fused_kv,
-            "mla": False}
+    return {"num_layers": len(physical_layers(kv_cache_config)),
+            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_size, "dtype": dtype,
+            "block_size": spec.block_size, "tp_size": parallel.tensor_parallel_size,
+            "num_gpu_blocks": kv_cache_config.num_blocks,
+            "device": "cpu" if current_platform.is_cpu() else "cuda",
+            "fused_kv": fused_kv and not mla, "mla": mla}
 
 
 def model_identity(model_config) -> str:
@@ -130,6 +185,19 @@ def check_hashes_reproducible(vllm_config, cfg: CacheConfig) -> str | None:
         return (f"prefix_caching_hash_algo={algo!r} hashes blocks with a per-process seed: KV "
                 "stored by one vLLM process is never found by the next; use sha256 (vLLM's "
                 "default) or set PYTHONHASHSEED")
+    return None
+
+
+def loads_unsupported(vllm_config, cfg: CacheConfig) -> str | None:
+    """Why vLLM cannot compute a prompt on top of KV kvcached loads, or None.
+    vLLM's reference MLA backend on CPU (no AMX) prefills without a cached
+    context, and vLLM turns its own prefix caching off for it: a hit there
+    would change the model's output. kvcached then saves (a producer's KV
+    serves another instance) and loads nothing."""
+    if cfg.mla and cfg.device == "cpu" and not vllm_config.cache_config.enable_prefix_caching:
+        return ("vLLM's CPU MLA backend cannot prefill on top of a cached prefix (vLLM turned "
+                "its own prefix caching off for this model): kvcached saves this model's KV "
+                "but serves no hits here")
     return None
 
 

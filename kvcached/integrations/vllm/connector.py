@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvcached.integrations.vllm import config as vconfig
@@ -55,7 +56,7 @@ def _timed(method):
     return timed
 
 
-class KvcachedConnector(KVConnectorBase_V1):
+class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
     """kvcached's CPU and storage tiers behind vLLM's GPU tier (see the module)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -80,6 +81,7 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self.scheduler.block_pool = gpu_block_pool  # saves in flight hold their blocks
+        self.scheduler.null_id = gpu_block_pool.null_block.block_id
 
     @_timed
     def has_pending_block_frees(self) -> bool:
@@ -117,6 +119,13 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     @_timed
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request)
+
+    @_timed
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: vLLM keeps its hybrid KV cache manager on (sliding-window
+        # layers keep only their window); kvcached caches every group
         return self.scheduler.finished(request)
 
     def reset_cache(self) -> bool | None:

@@ -53,6 +53,7 @@ load of it is in flight (``request_finished`` returns True; it comes back in
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
 import shutil
@@ -73,14 +74,15 @@ logger = logging.getLogger("vllm.kvcached")
 
 @dataclass
 class Lookup:
-    """A storage lookup of blocks ``start..limit-1`` of a request: in flight until
-    ``found`` is known (the leading blocks storage holds; 0 on trouble)."""
+    """A storage lookup of a request: per KV cache group, blocks ``start..limit-1``
+    (``runs``: (group, start)); in flight until ``found`` is known: the
+    leading blocks every looked-up group can restore (its start on trouble)."""
 
-    start: int
+    runs: tuple[tuple[int, int], ...]
     limit: int
-    creq: object
+    creqs: list
     handle: TaskHandle | None = None  # None until the step's lookups go out together
-    index: int = 0  # this lookup's run in its task
+    index: int = 0  # this lookup's first run in its task
     deadline: float = float("inf")
     found: int | None = None
 
@@ -96,7 +98,7 @@ class Tracked:
     """A vLLM request as kvcached knows it."""
 
     request: object  # vllm.v1.request.Request
-    creq: object  # the core's request: keys of vLLM's block hashes, the path it holds
+    creqs: list  # per KV cache group, the core's request: keys of vLLM's block hashes
     n_keys: int = 0  # vLLM block hashes made keys so far
     saved: int = 0  # blocks up to which saves were planned
     named: int = 0  # blocks whose vLLM hashes are in SchedulerHalf.names
@@ -157,8 +159,9 @@ class SavePlan:
     step: int
     rid: str
     blocks: int
-    device_ids: list[int]
+    device_ids: tuple[list[int], ...]  # per KV cache group
     attempt: int = 1
+    held: list[int] = field(default_factory=list)  # sliding-window blocks pinned until it runs
 
 
 @dataclass
@@ -175,16 +178,31 @@ class Saving:
 SAVE_ATTEMPTS = 4
 
 
+def group_tags(groups: list[vconfig.Group]) -> list[bytes]:
+    """What each KV cache group adds to vLLM's block hashes: a block is kvcached's
+    by (vLLM's hash, group), so the groups of a hybrid model never share a key.
+    A model of one group adds nothing (its keys are as they always were)."""
+    if len(groups) == 1:
+        return [b""]
+    return [hashlib.blake2b(f"{g.kind}:{','.join(g.layer_names)}".encode(),
+                            digest_size=8).digest() for g in groups]
+
+
+def tagged(hashes: list[bytes], tag: bytes) -> list[bytes]:
+    return [h + tag for h in hashes] if tag else hashes
+
+
 class SchedulerHalf:
     """kvcached in vLLM's scheduler (see the module docstring)."""
 
     def __init__(self, vllm_config, kv_cache_config):
         self.run_dir = vconfig.run_dir_of(vllm_config)
-        group = vconfig.attention_spec(kv_cache_config)
+        self.groups = vconfig.cached_groups(kv_cache_config, str(vllm_config.model_config.model))
+        self.tags = group_tags(self.groups)
         # The workers exported their planes before the scheduler starts: their
         # shape says whether K and V share a plane (vLLM's CPU backend) or not.
         desc = kvshare.read_descriptor(self.run_dir, 0)
-        fused = len(desc["planes"]) == len(group.layer_names)
+        fused = len(desc["planes"]) == len(vconfig.physical_layers(kv_cache_config))
         cfg = vconfig.cache_config(vllm_config, kv_cache_config, fused)
         why = vconfig.check_hashes_reproducible(vllm_config, cfg)
         if why:
@@ -195,6 +213,10 @@ class SchedulerHalf:
         # (disaggregated prefill); kv_both does both.
         role = vllm_config.kv_transfer_config
         self.loads_on, self.saves_on = role.is_kv_consumer, role.is_kv_producer
+        why = vconfig.loads_unsupported(vllm_config, cfg)
+        if why and self.loads_on:
+            logger.warning("kvcached: %s", why)
+            self.loads_on = False
         self.lookup_timeout_s = cfg.storage_lookup_timeout_s
         # A prefix moving for another request lands within a task's time.
         self.move_wait_s = cfg.task_timeout_s
@@ -208,8 +230,7 @@ class SchedulerHalf:
         self.temporary = not extra.get("run_dir")
         if self.temporary:
             rundir.mark_temporary(self.run_dir)
-        self.janitor = janitor.watch(os.getpid(), self.run_dir,
-                                     cfg.log_dir or self.run_dir / "logs")
+        self.janitor = janitor.watch(os.getpid(), self.run_dir, cfg.log_dir or self.run_dir / "logs")
         self.mgr = CacheManager(cfg).start()
         # vLLM asks for KV events every step, published or not: kvcached keeps
         # them (and the names they carry) only when vLLM publishes them.
@@ -234,6 +255,7 @@ class SchedulerHalf:
         self.lookups: list[Lookup] = []  # asked this step, not submitted yet
         self.kv_cache_manager = None
         self.block_pool = None
+        self.null_id = 0  # vLLM's null block (its pool's first): a window's skipped blocks
         self.hook_s = 0.0  # time vLLM's scheduler spent in kvcached this step
         self.hook_cpu_s = 0.0  # and that thread's CPU time in it
         logger.info("kvcached: run dir %s (kvcached status --run-dir %s); CPU tier %d blocks, "
@@ -246,11 +268,17 @@ class SchedulerHalf:
         hashes = request.block_hashes
         if t is None:
             t = self.reqs[request.request_id] = Tracked(
-                request, self.mgr.engine_request(list(hashes)), n_keys=len(hashes))
+                request, self._requests(hashes), n_keys=len(hashes))
         elif len(hashes) > t.n_keys:
-            self.mgr.add_engine_hashes(t.creq, list(hashes[t.n_keys:]))
+            new = list(hashes[t.n_keys:])
+            for tag, creq in zip(self.tags, t.creqs, strict=True):
+                self.mgr.add_engine_hashes(creq, tagged(new, tag))
             t.n_keys = len(hashes)
         return t
+
+    def _requests(self, hashes) -> list:
+        """The core's requests of vLLM's block hashes, one per KV cache group."""
+        return [self.mgr.engine_request(tagged(list(hashes), tag)) for tag in self.tags]
 
     def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past vLLM's own hit that kvcached can load (asynchronously), or
@@ -265,45 +293,53 @@ class SchedulerHalf:
         if t.saves:  # preempted while its saves copy: its blocks are about to be cached
             return None, False
         now = time.monotonic()
-        n_cpu, moving = self.mgr.engine_cpu_prefix(t.creq, limit)
+        n_cpu, moving = [], False
+        for creq in t.creqs:
+            n, m = self.mgr.engine_cpu_prefix(creq, limit)
+            n_cpu.append(n)
+            moving |= m
         if moving:
             t.waiting_since = t.waiting_since or now
             if now - t.waiting_since < self.move_wait_s:
                 return None, False
-        n_storage = self._storage_found(t, n_cpu, limit, now)
-        if n_storage is None:
+        total = self._restorable(t, n_cpu, limit, now)
+        if total is None:
             return None, False
         t.waiting_since = None
-        t.hit = (local, n_cpu, n_storage)
-        ext = max(0, n_cpu + n_storage - local) * bs
+        t.hit = (local, min(n_cpu), max(0, total - min(n_cpu)))
+        ext = max(0, total - local) * bs
         return ext, ext > 0
 
-    def _storage_found(self, t: Tracked, start: int, limit: int, now: float) -> int | None:
-        """How many blocks from ``start`` storage holds, None until its lookup
-        answers. One lookup per (start, limit): vLLM may ask several times."""
-        if start >= limit:
-            return 0
+    def _restorable(self, t: Tracked, n_cpu: list[int], limit: int, now: float) -> int | None:
+        """How many leading blocks every group can restore, from the CPU tier
+        (``n_cpu``, per group) and storage; None until storage's lookup answers.
+        One lookup per (runs, limit): vLLM may ask several times."""
+        wanted = self.mgr.storage_lookup_wanted
+        runs = tuple((g, n) for g, n in enumerate(n_cpu) if n < limit and wanted(n, limit))
+        cap = min([limit] + [n for g, n in enumerate(n_cpu) if (g, n) not in runs])
+        if not runs:
+            return cap
         lk = t.lookup
-        if lk is None or (lk.start, lk.limit) != (start, limit):
-            if not self.mgr.storage_lookup_wanted(start, limit):
-                return 0
-            t.lookup = Lookup(start, limit, t.creq)
+        if lk is None or (lk.runs, lk.limit) != (runs, limit):
+            t.lookup = Lookup(runs, limit, [t.creqs[g] for g, _ in runs])
             self.lookups.append(t.lookup)  # submitted with the step's others
             return None
         if lk.found is None:
+            starts = min(n for _, n in runs)
             if lk.handle is None:
                 return None
             if lk.handle.done():
                 r = lk.handle.result
-                lk.found = int(r.result["prefixes"][lk.index]) if r.ok else 0
+                lk.found = min(n + int(r.result["prefixes"][lk.index + i])
+                               for i, (_, n) in enumerate(runs)) if r.ok else starts
                 if not r.ok:
                     self.mgr.count_storage("lookup_failed")
             elif now >= lk.deadline:
-                lk.found = 0  # storage is slow: computing beats waiting
+                lk.found = starts  # storage is slow: computing beats waiting
                 self.mgr.count_storage("lookup_timed_out")
             else:
                 return None
-        return lk.found
+        return min(cap, lk.found)
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: pin the prefix, plan the load."""
@@ -315,14 +351,22 @@ class SchedulerHalf:
             local = t.hit[0]
             stop = local + num_external_tokens // bs
             self._renew(t)
-            plan = self.mgr.engine_load(t.creq, local, stop, list(blocks.get_block_ids()[0]))
+            cpu = storage = num_external_tokens
+            for creq, ids in zip(t.creqs, blocks.get_block_ids(), strict=True):
+                # a sliding window's blocks before the window are vLLM's null
+                # block: nothing is copied into them (storage brings them to
+                # the CPU tier only, so the chain stays whole)
+                plan = self.mgr.engine_load(creq, self._first_copied(ids, local, stop), stop,
+                                            list(ids))
+                load = Load(plan, [Part() for _ in plan.tasks])
+                t.loads.append(load)  # in flight from here: submitted with this step's meta
+                self.planned_loads.append((t, load))
+                end = min(plan.n_cpu + len(plan.nodes), stop)
+                cpu = min(cpu, max(0, min(plan.n_cpu, stop) - local) * bs)
+                storage = min(storage, max(0, end - local) * bs)
+            storage -= cpu
             self._name(t, stop)  # blocks storage brings into the CPU tier
-            load = Load(plan, [Part() for _ in plan.tasks])
-            t.loads.append(load)  # in flight from here: submitted with this step's meta
             self.loading[request.request_id] = t
-            self.planned_loads.append((t, load))
-            cpu = max(0, min(plan.n_cpu, stop) - local) * bs
-            storage = max(0, min(plan.n_cpu + len(plan.nodes), stop) - max(plan.n_cpu, local)) * bs
             t.lookup = None
         t.split = (cpu, num_external_tokens - cpu)
         for tier, tokens in zip(observe.TIERS, t.split, strict=True):
@@ -331,6 +375,15 @@ class SchedulerHalf:
         if not t.counted:
             t.counted = True
             self.mgr.count_engine_request(request.num_tokens, own, cpu, storage)
+
+    def _first_copied(self, ids: list[int], local: int, stop: int) -> int:
+        """The first of blocks ``local..stop-1`` a load copies into: past the
+        last of vLLM's null blocks (a sliding window's, all before it)."""
+        null = self.null_id
+        for i in range(stop - 1, local - 1, -1):
+            if ids[i] == null:
+                return i + 1
+        return local
 
     def hit_sources(self, request, num_external_tokens: int) -> dict:
         """The tokens of the request's external hit by vLLM's source names."""
@@ -366,8 +419,8 @@ class SchedulerHalf:
         names go past a bound."""
         if not self.events_on:
             return
-        new = list(t.request.block_hashes[t.named:blocks])
-        for key, h in zip(self.mgr.engine_keys(new), new, strict=True):
+        new = list(t.request.block_hashes[t.named:blocks])  # the first group's names
+        for key, h in zip(self.mgr.engine_keys(tagged(new, self.tags[0])), new, strict=True):
             self.names[key] = h
         t.named = max(t.named, blocks)
         while len(self.names) > self.names_cap:
@@ -388,7 +441,8 @@ class SchedulerHalf:
 
     def _release_if_done(self, t: Tracked) -> None:
         if t.finished and not t.loads and not t.saves:
-            self.mgr.engine_release(t.creq)
+            for creq in t.creqs:
+                self.mgr.engine_release(creq)
             self.reqs.pop(t.request.request_id, None)
 
     # ---------------------------------------------------------------- steps
@@ -456,6 +510,7 @@ class SchedulerHalf:
         for plan in self.saves:
             if plan.rid == rid:
                 t.saves -= 1
+                self._unpin(plan.held)
                 self.stats.count("saves_dropped")
             else:
                 kept.append(plan)
@@ -465,9 +520,10 @@ class SchedulerHalf:
     def _renew(self, t: Tracked) -> None:
         """Let go of the path the request's loads and saves pinned (its blocks stay
         cached): vLLM computes the request again, or loads it anew."""
-        if t.creq.n_path and not t.saves and not t.loads:
-            self.mgr.engine_release(t.creq)
-            t.creq = self.mgr.engine_request(list(t.request.block_hashes[:t.n_keys]))
+        if any(c.n_path for c in t.creqs) and not t.saves and not t.loads:
+            for creq in t.creqs:
+                self.mgr.engine_release(creq)
+            t.creqs = self._requests(t.request.block_hashes[:t.n_keys])
 
     # ------------------------------------------------------------ block pins
     # A save in flight holds a reference to each block it reads (one per save
@@ -499,13 +555,31 @@ class SchedulerHalf:
         for plan in due:
             t = self.reqs[plan.rid]
             self.track(t.request)
-            batch.append((t.creq, min(plan.blocks, t.n_keys), plan.device_ids))
-            self._name(t, min(plan.blocks, t.n_keys))
+            blocks = min(plan.blocks, t.n_keys)
+            for g, (creq, ids) in enumerate(zip(t.creqs, plan.device_ids, strict=True)):
+                if self.groups[g].kind == "sliding":
+                    batch.append((creq, self._savable(creq, ids, blocks), ids))
+                else:
+                    batch.append((creq, blocks, ids))
+            self._name(t, blocks)
         if due:
             save = self.mgr.engine_save(batch)
             src = list(save.handle.task.src) if save is not None else []
             self._pin(src)
+            for plan in due:
+                self._unpin(plan.held)
             self.saving.append(Saving(save, due, src))
+
+    def _savable(self, creq, ids: list[int], blocks: int) -> int:
+        """How many of a sliding-window group's first ``blocks`` blocks a save may
+        cover: up to the first that vLLM dropped from the window (its null
+        block) and the CPU tier lacks. A block is only cached under its
+        parent: the rest of this request's blocks of the group stay uncached."""
+        null = self.null_id
+        if null not in ids[:blocks]:
+            return blocks
+        n_cpu = self.mgr.engine_cpu_prefix(creq, blocks)[0]
+        return next((i for i in range(n_cpu, blocks) if ids[i] == null), blocks)
 
     def _poll_saves(self) -> None:
         still = []
@@ -532,7 +606,7 @@ class SchedulerHalf:
         if plan.attempt >= SAVE_ATTEMPTS or t.saved < plan.blocks:
             return
         blocks = min(plan.blocks, t.n_keys)
-        if self.mgr.engine_cpu_prefix(t.creq, blocks)[0] < blocks:
+        if any(self.mgr.engine_cpu_prefix(c, blocks)[0] < blocks for c in t.creqs):
             self.saves.append(SavePlan(self.step, plan.rid, plan.blocks, plan.device_ids,
                                        plan.attempt + 1))
             t.saves += 1
@@ -559,8 +633,13 @@ class SchedulerHalf:
             done = computed.get(rid, 0) + n - len(spec.get(rid, ()))  # drafts may be rejected
             blocks = done // self.block_size
             if blocks > t.saved:
-                ids = list(self.kv_cache_manager.get_block_ids(rid)[0])
-                self.saves.append(SavePlan(self.step, rid, blocks, ids))
+                ids = tuple(list(g) for g in self.kv_cache_manager.get_block_ids(rid))
+                # vLLM drops a sliding window's blocks from the request as it
+                # moves on, before this save runs: they stay pinned until then
+                held = [i for g, group in zip(ids, self.groups, strict=True)
+                        if group.kind == "sliding" for i in g[t.saved:blocks] if i != self.null_id]
+                self._pin(held)
+                self.saves.append(SavePlan(self.step, rid, blocks, ids, held=held))
                 t.saves += 1
                 t.saved = blocks
 
@@ -571,13 +650,17 @@ class SchedulerHalf:
         if not self.lookups:
             return
         batch, self.lookups = self.lookups, []
-        handle = self.mgr.engine_storage_lookups([(lk.creq, lk.start, lk.limit)
-                                                  for lk in batch])
+        runs = []
+        for lk in batch:
+            lk.index = len(runs)
+            runs += [(creq, start, lk.limit) for creq, (_, start) in
+                     zip(lk.creqs, lk.runs, strict=True)]
+        handle = self.mgr.engine_storage_lookups(runs)
         deadline = time.monotonic() + self.lookup_timeout_s
-        for i, lk in enumerate(batch):
+        for lk in batch:
             if handle is None:
-                lk.found = 0  # storage went unusable since
-            lk.handle, lk.index, lk.deadline = handle, i, deadline
+                lk.found = min(n for _, n in lk.runs)  # storage went unusable since
+            lk.handle, lk.deadline = handle, deadline
 
     # ------------------------------------------------------------------ loads
     def _submit_loads(self) -> None:

@@ -33,8 +33,10 @@ def planes_of(kv_caches: dict[str, torch.Tensor], layer_names: list[str],
               num_blocks: int) -> list[torch.Tensor]:
     """The KV planes in kvcached's order (layer by layer, K then V): a layer's
     tensor is one plane when its first dimension is the block (K and V share
-    it, as vLLM's CPU attention lays them out), two when it is [2, blocks, ...]
-    (K and V apart, as FlashAttention does)."""
+    it, as vLLM's CPU attention lays them out; MLA's latent), two when it is
+    [2, blocks, ...] (K and V apart, as FlashAttention does). ``layer_names``
+    are vLLM's physical layers (``config.physical_layers``): in a hybrid
+    model one layer of each group shares a page region, copied once."""
     planes = []
     for name in layer_names:
         t = kv_caches[name]
@@ -55,7 +57,8 @@ class WorkerHalf:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         self.rank = get_tensor_model_parallel_rank()
         self.run_dir, _ = create_run_dir(str(vconfig.run_dir_of(vllm_config)))
-        self.group = vconfig.attention_spec(kv_cache_config)
+        vconfig.cached_groups(kv_cache_config, str(vllm_config.model_config.model))
+        self.layers = vconfig.physical_layers(kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
         self.event = None  # the rank's KV event on CUDA
         self.finished: set[str] = set()
@@ -74,7 +77,7 @@ class WorkerHalf:
         return self.allocations
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        planes = planes_of(kv_caches, list(self.group.layer_names), self.num_blocks)
+        planes = planes_of(kv_caches, self.layers, self.num_blocks)
         if planes[0].device.type == "cuda":
             from kvcached.memory.kvevent import KVEvent
             self.event = KVEvent(self.run_dir, self.rank)

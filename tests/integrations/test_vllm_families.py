@@ -1,0 +1,105 @@
+"""Model families beyond plain attention, inside a real vLLM (its CPU build),
+with vLLM's hybrid KV cache manager on (kvcached declares ``SupportsHMA``):
+
+- Gemma 3 (three sliding-window layers of 64 tokens, one full-attention
+  layer: four KV cache groups overlaid on the same pages). After vLLM's
+  prefix cache is reset the CPU tier serves every full block vLLM's own
+  cache hit, and so does storage in a new process; outputs are identical to
+  vLLM without a connector.
+- DeepSeek-V2 (MLA: one 576-wide latent per token and layer). vLLM's CPU
+  MLA backend cannot prefill on top of a cached prefix (vLLM turns its own
+  prefix caching off for it), so kvcached saves its KV and serves no hit
+  there: outputs stay identical.
+
+One vLLM process per run (``tests/vllm_app.py``), each made model shared by
+its module's runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_runs import BLOCK, SINGLE, by_set, generated, run_app, status_of
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
+
+PROMPTS = {"p": SINGLE}
+MAX_TOKENS = 8  # vllm_app's default
+
+
+def full_blocks(block: int) -> int:
+    """Tokens of the prompts' full blocks that a cache may serve (one token is
+    always computed)."""
+    return sum((n - 1) // block * block for _, n in SINGLE)
+
+
+def computed_blocks(block: int) -> int:
+    """Full blocks the requests computed: prompt and output, but the last token."""
+    return sum((n + MAX_TOKENS - 1) // block for _, n in SINGLE)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> dict:
+    """vLLM without a connector (its own prefix cache hits on the second pass),
+    kvcached (a cold pass, vLLM's cache reset, a pass the CPU tier serves), and
+    a new process on the same storage."""
+    base = tmp_path_factory.mktemp("gemma3")
+    spec = {"model": str(base / "model"), "model_shape": [4, 128, "gemma3"],
+            "prompts": PROMPTS}
+    plain = run_app({**spec, "extra": None,
+                     "steps": [["generate", "p"], ["generate", "p"]]})
+    extra = {"num_cpu_blocks": 512, "storage_backend": "file", "storage_url": str(base / "kv")}
+    first = run_app({**spec, "extra": {**extra, "run_dir": str(base / "run1")},
+                     "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]})
+    second = run_app({**spec, "extra": {**extra, "run_dir": str(base / "run2")},
+                      "steps": [["generate", "p"], ["status"]]})
+    return {"plain": plain, "first": first, "second": second}
+
+
+def test_gemma3_cpu_tier_and_storage_serve_what_vllm_hits(gemma3):
+    plain = generated(gemma3["plain"])
+    baseline, own_hit = plain[0]["outputs"], sum(plain[-1]["cached"])
+    assert own_hit == full_blocks(BLOCK)  # vLLM's hybrid manager hits every full block
+    assert len({tuple(o) for o in baseline}) == len(baseline)  # outputs tell prompts apart
+    cold, warm = generated(gemma3["first"])
+    restarted = generated(gemma3["second"])[0]
+    for run in (cold, warm, restarted):
+        assert run["outputs"] == baseline
+    assert sum(warm["cached"]) >= 0.9 * own_hit, warm["cached"]
+    assert sum(restarted["cached"]) >= 0.9 * own_hit, restarted["cached"]
+    hits = status_of(gemma3["first"])["stats"]["hit_tokens"]
+    assert hits["cpu"] == sum(warm["cached"])
+    assert status_of(gemma3["second"])["stats"]["hit_tokens"]["storage"] == \
+        sum(restarted["cached"])
+
+
+def test_gemma3_caches_every_group_apart(gemma3):
+    """Four groups, one block of each per (vLLM hash, group): the CPU tier holds
+    four blocks for each full block the requests computed (prompt and output
+    but the last token), storage as many objects."""
+    status = status_of(gemma3["first"])
+    per_group = computed_blocks(BLOCK)
+    assert status["stats"]["tiers"]["cpu"]["used"] == 4 * per_group
+    assert status["stats"]["storage"]["stored"] == 4 * per_group
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("deepseek")
+    spec = {"model": str(base / "model"), "model_shape": [2, 128, "deepseek_v2"],
+            "dtype": "bfloat16", "prompts": PROMPTS}
+    plain = run_app({**spec, "extra": None, "steps": [["generate", "p"], ["generate", "p"]]})
+    extra = {"num_cpu_blocks": 512, "run_dir": str(base / "run")}
+    served = run_app({**spec, "extra": extra,
+                      "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]})
+    return {"plain": plain, "served": served}
+
+
+def test_deepseek_mla_is_saved_and_outputs_stay_identical(deepseek):
+    plain = by_set(deepseek["plain"])["p"]
+    assert sum(plain["cached"]) == 0  # vLLM's own prefix cache is off for CPU MLA
+    for run in generated(deepseek["served"]):
+        assert run["outputs"] == plain["outputs"]
+        assert sum(run["cached"]) == 0  # no hit where vLLM cannot use one
+    mla_block = 16  # vLLM's CPU MLA backend's
+    cpu = status_of(deepseek["served"])["stats"]["tiers"]["cpu"]
+    assert cpu["used"] == computed_blocks(mla_block)  # one latent block each
