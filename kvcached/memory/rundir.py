@@ -27,7 +27,8 @@ ENGINE_FILE = "engine.json"  # {"pid": engine pid}: in every run directory in us
 
 
 def pid_alive(pid: int) -> bool:
-    """True if process ``pid`` exists (also when it belongs to another user)."""
+    """True if process ``pid`` runs (also when it belongs to another user); a
+    zombie (exited, not reaped yet: an engine vLLM killed, say) does not."""
     if pid <= 0:
         return False
     try:
@@ -35,8 +36,12 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        pass  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: it exists
 
 
 def engine_pid(run_dir: str | os.PathLike) -> int | None:

@@ -124,7 +124,8 @@ def workers_of(engine_pid: int) -> list[int]:
 def clean(engine_pid: int, run_dir: Path, worker_grace_s: float = WORKER_GRACE_S) -> list[str]:
     """Remove what dead ``engine_pid`` left; one line per thing removed."""
     from kvcached.memory.rundir import PID_FILE
-    from kvcached.ops.cleanup import _clean_run_dir
+    from kvcached.memory.rundir import engine_pid as engine_pid_of
+    from kvcached.ops.cleanup import RUN_DIR_LEFTOVERS
     lines = []
     deadline = time.monotonic() + worker_grace_s
     while workers_of(engine_pid) and time.monotonic() < deadline:
@@ -154,9 +155,12 @@ def clean(engine_pid: int, run_dir: Path, worker_grace_s: float = WORKER_GRACE_S
     if marked == engine_pid:  # a temporary run dir of this engine
         shutil.rmtree(run_dir, ignore_errors=True)
         lines.append(f"removed run dir {run_dir}")
-    elif run_dir.is_dir():  # configured: its sockets and engine.json, if no one else's
-        lines += [line for line in _clean_run_dir(run_dir, False, "removed")
-                  if line.startswith("removed")]
+    elif engine_pid_of(run_dir) == engine_pid:  # configured: its sockets, engine.json
+        for name in RUN_DIR_LEFTOVERS:  # (its logs stay), as `kvcached cleanup` does
+            path = run_dir / name
+            if path.exists() or path.is_symlink():
+                path.unlink(missing_ok=True)
+                lines.append(f"removed {path}")
     return lines
 
 

@@ -177,22 +177,25 @@ def test_cuda_ipc_path(model, tmp_path):
 
 class Served:
     """``python -m vllm.entrypoints.openai.api_server`` (the CPU wheel has no
-    ``vllm`` command) with the README's flag, its transfer workers sidecars
-    from ``kvcached launch`` (``spawn_workers = false``)."""
+    ``vllm`` command) with the README's flag: its run dir named by kvcached
+    and its transfer workers spawned (``run_dir`` None), or in ``run_dir``
+    with the workers sidecars from ``kvcached launch`` (``spawn_workers =
+    false``)."""
 
-    def __init__(self, model: str, run_dir: Path, store: Path, log: Path):
+    def __init__(self, model: str, run_dir: Path | None, store: Path, log: Path):
         from conftest_storage import free_port
         self.model, self.port, self.run_dir = model, free_port(), run_dir
+        extra = {"num_cpu_blocks": 256, "storage_backend": "file", "storage_url": str(store),
+                 "worker_start_timeout_s": 300,
+                 # a fresh server's first lookup on a loaded machine can pass
+                 # the 0.1 s default, and the test asserts a storage hit
+                 "storage_lookup_timeout_s": 10.0}
+        if run_dir is not None:
+            extra.update(run_dir=str(run_dir), spawn_workers=False)
         cfg = {"kv_connector": "KvcachedConnector",
                "kv_connector_module_path": "kvcached.integrations.vllm",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-               "kv_connector_extra_config": {
-                   "num_cpu_blocks": 256, "storage_backend": "file", "storage_url": str(store),
-                   "run_dir": str(run_dir), "spawn_workers": False,
-                   "worker_start_timeout_s": 300,
-                   # a fresh server's first lookup on a loaded machine can pass
-                   # the 0.1 s default, and the test asserts a storage hit
-                   "storage_lookup_timeout_s": 10.0}}
+               "kv_connector_extra_config": extra}
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -204,13 +207,26 @@ class Served:
         self.launcher = None
 
     def wait_ready(self) -> None:
-        """The operator's part: once vLLM wrote its config, `kvcached launch`;
-        then vLLM answers /health."""
-        self._until(lambda: (self.run_dir / "config.json").is_file(), "vLLM's kvcached config")
-        self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "kvcached", "launch", "--run-dir", str(self.run_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        """The operator's part (sidecars): once vLLM wrote its config, `kvcached
+        launch`; then vLLM answers /health. Then what of kvcached runs: its
+        shared-memory segments and processes, for ``assert_nothing_left``."""
+        if self.run_dir is not None:
+            self._until(lambda: (self.run_dir / "config.json").is_file(),
+                        "vLLM's kvcached config")
+            self.launcher = subprocess.Popen(
+                [sys.executable, "-m", "kvcached", "launch", "--run-dir", str(self.run_dir)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._until(lambda: self.get("/health") is not None, "vLLM's /health")
+        self.temporary = self.run_dir is None
+        if self.temporary:  # vLLM's log names it (README: "Watching it")
+            import re
+            found = re.search(r"kvcached: run dir (\S+) ", Path(self.log.name).read_text())
+            assert found, f"no run dir in vLLM's log {self.log.name}"
+            self.run_dir = Path(found.group(1))
+        self.segments = run_segments(self.run_dir)
+        self.pids = kvcached_pids(self.run_dir)
+        # the CPU tier; the janitor and the transfer worker (spawned) or the launcher's
+        assert self.segments and len(self.pids) >= 2, (self.segments, self.pids)
 
     def _until(self, ready, what: str) -> None:
         import time
@@ -238,12 +254,17 @@ class Served:
         with urllib.request.urlopen(req, timeout=DEADLINE_S) as r:
             return json.loads(r.read())["choices"][0]["token_ids"]
 
-    def stop(self) -> None:
+    def stop(self, sig: str = "SIGINT", group: bool = True) -> None:
+        """``sig`` to the server's process group (as a shell's Ctrl-C), or to the
+        server only (``group`` False: as Kubernetes' SIGTERM)."""
         import signal
 
         from conftest_storage import stop_process
-        if self.proc.poll() is None:  # vLLM's processes shut down on SIGINT, as from a shell
-            os.killpg(self.proc.pid, signal.SIGINT)
+        if self.proc.poll() is None:
+            if group:
+                os.killpg(self.proc.pid, getattr(signal, sig))
+            else:
+                self.proc.send_signal(getattr(signal, sig))
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -251,6 +272,59 @@ class Served:
                 self.proc.wait()
         stop_process(self.launcher, timeout=60)
         self.log.close()
+
+    def assert_nothing_left(self) -> None:
+        """Once the server is stopped: none of its kvcached processes runs, its
+        segments are gone, and so is its run dir (kvcached's own) or what of it
+        belonged to the dead engine (a configured one: its logs stay)."""
+        def left() -> list:
+            out = [p for p in self.pids + kvcached_pids(self.run_dir) if running(p)]
+            out += run_segments(self.run_dir)
+            if self.temporary:
+                out += [self.run_dir] if self.run_dir.exists() else []
+            else:
+                out += [p for p in ("coord.sock", "ctl.sock", "engine.json")
+                        if (self.run_dir / p).exists()]
+            return out
+        import time
+        deadline = time.monotonic() + 30
+        while left():
+            assert time.monotonic() < deadline, f"left after the server stopped: {left()}"
+            time.sleep(0.1)
+        assert not set(self.segments) & set(os.listdir(SHM))
+
+
+SHM = "/dev/shm"
+
+
+def run_segments(run_dir: Path) -> list[str]:
+    """kvcached's shared-memory segments of ``run_dir`` (``memory/shm.py``:
+    ``kvcached-<pid>-<run id>-r<rank>-<kind>``)."""
+    import hashlib
+    rid = hashlib.blake2b(os.path.realpath(run_dir).encode(), digest_size=5).hexdigest()
+    return sorted(n for n in os.listdir(SHM) if n.startswith("kvcached-") and f"-{rid}-" in n)
+
+
+def kvcached_pids(run_dir: Path) -> list[int]:
+    """Running processes whose command line names ``run_dir`` (workers, janitor, launcher)."""
+    want = str(run_dir).encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and want in Path(f"/proc/{entry}/cmdline").read_bytes() \
+                    and running(int(entry)):
+                out.append(int(entry))
+        except OSError:
+            pass
+    return out
+
+
+def running(pid: int) -> bool:
+    """``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -262,16 +336,23 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def test_vllm_serve_restarted_serves_from_storage(model, baseline, tmp_path):
-    """vLLM's OpenAI server with kvcached (sidecar workers from `kvcached
-    launch`): a prompt through /v1/completions, the server restarted, the same
-    prompt again: the same tokens, and /metrics shows it came from storage
-    (vLLM's disk source, vllm:kvcached_hit_tokens{tier="storage"})."""
+    """vLLM's OpenAI server with kvcached: a prompt through /v1/completions,
+    the server restarted, the same prompt again: the same tokens, and
+    /metrics shows it came from storage (vLLM's disk source,
+    vllm:kvcached_hit_tokens{tier="storage"}). First as the README says
+    (kvcached's run dir, workers it spawns), stopped with SIGINT to the
+    process group (a shell's Ctrl-C); then with a run dir and sidecar workers
+    from `kvcached launch`, stopped with SIGTERM to the server (Kubernetes).
+    After each no kvcached process, shared-memory segment or run dir (its
+    sockets, for a configured one) is left: vLLM SIGKILLs its engine core,
+    the janitor cleans up."""
     import vllm_app
     prompt = vllm_app.prompts([SINGLE[0]])[0]
     full = (len(prompt) - 1) // BLOCK * BLOCK
     store, outputs = tmp_path / "store", []
     for k in range(2):
-        srv = Served(model, tmp_path / f"run{k}", store, tmp_path / f"vllm{k}.log")
+        srv = Served(model, None if k == 0 else tmp_path / "run1", store,
+                     tmp_path / f"vllm{k}.log")
         try:
             srv.wait_ready()
             outputs.append(srv.complete(prompt))
@@ -280,7 +361,9 @@ def test_vllm_serve_restarted_serves_from_storage(model, baseline, tmp_path):
             else:
                 text = srv.get("/metrics") or ""
         finally:
-            srv.stop()
+            srv.stop(*(("SIGINT", True) if k == 0 else ("SIGTERM", False)))
+        srv.assert_nothing_left()
+    assert "is gone: removed shm segment" in (tmp_path / "run1/logs/janitor.log").read_text()
     assert outputs == [baseline[0], baseline[0]]
     assert metric(text, "vllm:prompt_tokens_cached_by_source_total", source="disk") == full, \
         [line for line in text.splitlines() if "cached" in line]

@@ -130,3 +130,16 @@ def test_a_vllm_run_dir_of_a_killed_engine_is_swept_and_said(tmp_path, shm_dir, 
     assert f"removed shm segment {seg}" in res.output
     assert f"removed run dir {run_dir}" in res.output
     assert not seg.exists() and not run_dir.exists() and live.is_dir()
+
+
+def test_a_zombie_engine_is_not_alive():
+    """vLLM's API server reaps its killed engine core late: until then the
+    engine is a zombie, and what it left is a dead engine's."""
+    eng = subprocess.Popen(["true"])
+    try:
+        until(lambda: not running(eng.pid), "the zombie")
+        assert Path(f"/proc/{eng.pid}").exists()  # not reaped yet
+        assert not rundir.pid_alive(eng.pid)
+    finally:
+        eng.wait()
+    assert rundir.pid_alive(os.getpid())
