@@ -46,7 +46,12 @@ computes on all cores but one in every mode, the connector's own processes
 (kvcached's transfer workers, LMCache's server) share the other with vLLM's.
 
     python scripts/bench_vllm.py [--quick] [--lmcache-python PY] [--hit-chat-only]
-                                 [--busy-only] [--storage-only]
+                                 [--busy-only] [--storage-only] [--family gemma3]
+
+``--family gemma3`` runs phase 1 on a random Gemma 3 of the same shape (its
+layers sliding-window of 512 tokens but every sixth, vLLM's hybrid KV cache
+manager on): ``cpu_hit_vs_own_hit`` (target <= 1.15) and
+``storage_hit_vs_own_hit`` (target <= 1.5), JSON ``{"bench": "vllm_family"}``.
 
 ``--quick`` is a smoke run of the script (a tiny model; no ExampleConnector;
 the scheduler phase in the kvcached process; vLLM's engine in one process).
@@ -102,16 +107,26 @@ QUICK = dict(layers=2, hidden=128, hit_prompts=2, hit_len=600, hit_rounds=2,
 
 
 # ------------------------------------------------------------------ child
-def make_model(path: str, layers: int, hidden: int) -> str:
+def make_model(path: str, layers: int, hidden: int, family: str = "llama") -> str:
+    """A random-weight model: ``llama``, or ``gemma3`` (the same shape, its
+    layers sliding-window of 512 tokens but every sixth, full: Gemma 3's 5:1)."""
     if not os.path.exists(os.path.join(path, "config.json")):
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers as tf
         heads = max(1, hidden // 64)  # head size 64, GQA 4:1, MLP 4x: a real model's shape
-        cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden,
-                          num_hidden_layers=layers, num_attention_heads=heads,
-                          num_key_value_heads=max(1, heads // 4), max_position_embeddings=8192)
+        shape = dict(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden,
+                     num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=max(1, heads // 4), max_position_embeddings=8192)
         torch.manual_seed(0)
-        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+        if family == "gemma3":
+            kinds = ["full_attention" if i % 6 == 5 else "sliding_attention"
+                     for i in range(layers)]
+            model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+                **shape, head_dim=64, sliding_window=512, layer_types=kinds,
+                tie_word_embeddings=False))  # tied, a random Gemma 3 repeats one token
+        else:
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape))
+        model.to(torch.bfloat16).save_pretrained(path)
     return path
 
 
@@ -483,6 +498,26 @@ def storage_summary(restart: dict, full: int) -> dict:
             "storage_hit_blocks_served": min(r["cached"]) / full}
 
 
+def family_hits(family: str, model: str, p: dict, work: Path, cpu_blocks: int,
+                quick: bool) -> dict:
+    """Phase 1 for another model family: a CPU-tier hit and a storage hit, each
+    over vLLM's own hit of the same prompt in the same process."""
+    store = work / "store"
+    kv = run_mode("kvcached", model, p, kvcached_connector(work / "run1", store, cpu_blocks),
+                  ["per_hit"])
+    rs = run_mode("restart", model, p, kvcached_connector(work / "run2", store, cpu_blocks),
+                  ["restart_hit"])
+    assert rs["restart_hit"]["outputs"] == kv["per_hit"]["outputs"], "outputs differ"
+    full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
+    pairs = hit_pairs(kv)
+    return {"bench": "vllm_family", "family": family, "quick": quick,
+            "cpu_hit_vs_own_hit": statistics.median(pairs),
+            "cpu_hit_vs_own_hit_spread": {"pairs": len(pairs), "min": min(pairs),
+                                          "max": max(pairs)},
+            "cpu_hit_blocks_served": min(kv["per_hit"]["conn_cached"]) / full,
+            **storage_summary(rs, full)}
+
+
 def summary(modes: dict, p: dict) -> dict:
     plain, kv = modes["plain"], modes["kvcached"]
     rs = modes.get("restart")  # not in --hit-chat-only
@@ -574,6 +609,9 @@ def main() -> None:
                     help="only the storage hits in a new process (after one that fills it)")
     ap.add_argument("--hit-chat-only", action="store_true",
                     help="only the per-hit and multi-turn chat phases")
+    ap.add_argument("--family", choices=["llama", "gemma3"], default="llama",
+                    help="the model family: with gemma3 (sliding-window layers, vLLM's hybrid "
+                         "KV cache manager) only the per-hit and storage-hit phases run")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -583,7 +621,7 @@ def main() -> None:
     p = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:
         work = Path(tmp)
-        model = make_model(str(work / "model"), p["layers"], p["hidden"])
+        model = make_model(str(work / "model"), p["layers"], p["hidden"], args.family)
         cpu_blocks = 4096 if not args.quick else 512
         store = work / "store"
         if args.busy_only:
@@ -593,6 +631,10 @@ def main() -> None:
             print(json.dumps({"bench": "vllm_busy", "scheduler_step_us":
                               res["busy"]["scheduler_step_us"],
                               "running_requests": res["busy"]["requests"]}), flush=True)
+            return
+        if args.family != "llama":
+            print(json.dumps(family_hits(args.family, model, p, work, cpu_blocks,
+                                         bool(args.quick))), flush=True)
             return
         if args.storage_only:
             run_mode("fill", model, p, kvcached_connector(work / "run1", store, cpu_blocks),
