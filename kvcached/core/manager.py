@@ -97,6 +97,7 @@ class CacheManager:
         self.planner = Planner(self.core, cfg, self._counters)
         self._ns = namespace_hash(cfg.model_id, cfg.weight_version, cfg.salt)
         self._reqs: dict[Hashable, RunningRequest] = {}
+        self._engine_reqs: dict[int, object] = {}  # id -> an engine request not released
         self._lock = threading.RLock()
         self._transfer = transfer
         self._events = None  # where KV events go, once set_event_sink gave one
@@ -336,6 +337,7 @@ class CacheManager:
             held = req.core.n_path
             if self.cfg.storage_backend:
                 self.planner.store_reused(req.core)
+            self.planner.stale.discard(id(req.core))
             self.core.unref_path(req.core)
             private = req.blocks[held:]
             if private:
@@ -520,6 +522,11 @@ class CacheManager:
         with self._lock:
             if version == self.cfg.weight_version:
                 return {"changed": False, "version": version}
+            # Stores in flight land in the old version's namespace (their blocks
+            # were hashed under it); the requests running now store nothing more.
+            self.planner.wait_background(self.cfg.task_timeout_s + 5.0)
+            self.planner.stale.update(id(r.core) for r in self._reqs.values())
+            self.planner.stale.update(self._engine_reqs)
             res = self._control("update_weights", version=version)
             self._set_cfg(self.cfg.replace(weight_version=version))
             self._ns = namespace_hash(self.cfg.model_id, version, self.cfg.salt)
@@ -610,7 +617,9 @@ class CacheManager:
         namespace (model, weights, salt)."""
         self._check_external()
         with self._lock:
-            return self.core.request_hashes(self._ns, engine_hashes)
+            creq = self.core.request_hashes(self._ns, engine_hashes)
+            self._engine_reqs[id(creq)] = creq  # until engine_release (update_weights)
+            return creq
 
     def engine_keys(self, engine_hashes: list[bytes]) -> list[bytes]:
         """kvcached's keys of engine block hashes: the hashes its KV events name."""
@@ -752,6 +761,8 @@ class CacheManager:
             if self.cfg.storage_backend:
                 self.planner.store_reused(creq)
             self.core.unref_path(creq)
+            self._engine_reqs.pop(id(creq), None)
+            self.planner.stale.discard(id(creq))
             self._publish_events()
 
     def count_engine_request(self, prompt_tokens: int, gpu_tokens: int, cpu_tokens: int,

@@ -76,6 +76,12 @@ class Planner:
         self.pending: dict[int, Pending] = {}  # task id -> fetch or store in flight
         self.cpu_enabled = cfg.num_cpu_blocks > 0
         self.paused = False
+        # ids of requests hashed under a former weight version (running when
+        # update_weights switched): none of their blocks goes to storage, whose
+        # namespace is the new version's, where no lookup would find them (and
+        # some of them were computed with the new weights). The manager keeps
+        # each such request alive while its id is here.
+        self.stale: set[int] = set()
         self.set_cfg(cfg)
 
     def set_cfg(self, cfg: CacheConfig) -> None:
@@ -284,9 +290,17 @@ class Planner:
     def write_through(self, req: RunningRequest, start: int) -> None:
         """Stage the request's new GPU blocks (path from ``start``) into host
         blocks and store them (one task)."""
-        if not self.storage_usable() or not self.writes_at_commit(req.core.n_path - start):
+        if not self.storage_usable() or self._skip_stale(req.core, req.core.n_path - start) \
+                or not self.writes_at_commit(req.core.n_path - start):
             return
         self._store_staged(req.core, start, 0)
+
+    def _skip_stale(self, creq, blocks: int) -> bool:
+        """A request of a former weight version stores nothing (counted)."""
+        if id(creq) not in self.stale:
+            return False
+        self.counters.storage["write_skipped_version"] += blocks
+        return True
 
     def _store_staged(self, creq, start: int, min_uses: int) -> int:
         """Store the path's GPU blocks from ``start`` used ``min_uses`` times, staged
@@ -304,6 +318,8 @@ class Planner:
         that storage lacks, straight from their host blocks (one task)."""
         nodes, cpus, keys = [], [], []
         for creq in creqs:
+            if self._skip_stale(creq, 0):
+                continue
             n, c, hashes = self.core.plan_store_host(creq, min_uses)
             nodes += n
             cpus += c
@@ -323,7 +339,7 @@ class Planner:
         blocks used at least ``storage_write_threshold`` times that storage lacks
         (a reuse is what predicts the next one; most blocks are never reused)."""
         if self.cfg.storage_write_policy != "write_through_selective" or \
-                not self.storage_usable():
+                not self.storage_usable() or self._skip_stale(creq, 0):
             return
         t = self.cfg.storage_write_threshold
         n = 0 if self.core.external else self._store_staged(creq, 0, t)

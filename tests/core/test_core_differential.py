@@ -152,9 +152,9 @@ def run_workload(pair: Pair, seed: int, steps: int = 400) -> dict:
     return seen
 
 
-# With storage, seeds 13 and 19 also run a request across update_weights (its
-# blocks are stored under the new version), and 47 lands a load whose request
-# a failed swap-in had already cut.
+# With storage, seeds 13 and 19 also run a request across update_weights (it
+# stores nothing more: write_skipped_version), and 47 lands a load whose
+# request a failed swap-in had already cut.
 SEEDS = [1, 2, 3, 13, 19, 47]
 
 

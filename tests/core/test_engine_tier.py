@@ -180,6 +180,29 @@ def test_another_model_never_sees_the_kv(engine, tmp_path):
     assert lookup(other, other.engine_request(hashes), 3) == (0, 0)
 
 
+def test_a_request_across_update_weights_saves_nothing_to_the_new_version(engine, tmp_path):
+    """The connector's path: a request hashed under the old version saves its
+    later blocks into the CPU tier, but none goes to storage (the new
+    version's namespace); one made after the switch is stored there."""
+    store = str(tmp_path / "store")
+    _, mgr = engine("one", storage_backend="file", storage_url=store)
+    old, new = engine_hashes("w", 4), engine_hashes("v", 2)
+    creq = mgr.engine_request(old)
+    assert save(mgr, [(creq, 2, [0, 1])]) == 2  # written through under version 0
+    mgr.update_weights("1")
+    assert save(mgr, [(creq, 4, [0, 1, 2, 3])]) == 2
+    mgr.engine_release(creq)
+    fresh = mgr.engine_request(new)
+    assert save(mgr, [(fresh, 2, [4, 5])]) == 2
+    mgr.engine_release(fresh)
+    mgr.planner.wait_background(30)
+    assert mgr.stats().storage["stored"] == 4  # 2 old before the switch, 2 new
+    assert not mgr.planner.stale and not mgr._engine_reqs  # nothing kept past release
+    _, v1 = engine("two", storage_backend="file", storage_url=store, weight_version="1")
+    assert lookup(v1, v1.engine_request(old), 4) == (0, 0)
+    assert lookup(v1, v1.engine_request(new), 2) == (0, 2)
+
+
 def test_paused_is_a_miss_and_saves_nothing(engine):
     _, mgr = engine()
     hashes = engine_hashes("p", 2)

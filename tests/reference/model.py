@@ -26,9 +26,9 @@ What is modelled
     completion queue).
   - Storage: a set of block hashes per weight version; a store adds its
     blocks to the current version's set when it is submitted, a lookup or
-    load finds the leading blocks that set holds. (A request that runs
-    across ``update_weights`` stores its blocks, hashed under the old
-    version, into the new version's set, where no lookup finds them.)
+    load finds the leading blocks that set holds. ``update_weights`` lands
+    what is in flight first; a request that runs across it (hashed under
+    the old version, computed with both) stores nothing more.
 
 What is not
   - Eviction policies other than LRU (tests/reference/policy.py models the
@@ -166,6 +166,8 @@ class Request:
     hit: tuple[int, int, int] = (0, 0, 0)  # tokens from GPU, CPU, storage
     cached_tokens: int = 0
     error: Exception | None = None
+    ns: bytes = b""  # the namespace its hashes are made under: the root of its chain
+    stale: bool = False  # it ran across update_weights: stores nothing more
 
 
 @dataclass(eq=False)
@@ -397,7 +399,8 @@ class Model:
         self.reap()
         assert rid not in self.reqs and token_ids and not self.asleep
         n = len(token_ids)
-        req = Request(rid, block_hashes(self.ns, token_ids, self.bs, extra_key), n, extra_key)
+        req = Request(rid, block_hashes(self.ns, token_ids, self.bs, extra_key), n, extra_key,
+                      ns=self.ns)
         on_gpu, on_cpu = self._match(req.hashes[:(n - 1) // self.bs])
         need = -(-(n + reserve_tokens) // self.bs) - len(on_gpu)
         idle = sum(1 for m in self.nodes.values()
@@ -613,12 +616,12 @@ class Model:
             return req.blocks
         have = len(req.hashes)
         if have < full:
-            req.hashes += block_hashes(req.hashes[-1] if have else self.ns, token_ids, self.bs,
+            req.hashes += block_hashes(req.hashes[-1] if have else req.ns, token_ids, self.bs,
                                        req.extra_key, have, full)
         start = len(req.path)
         self._insert(req, full)
         if self.storage_on:
-            self._write_through(req.path[start:])
+            self._write_through(req.path[start:], req.stale)
         return req.blocks
 
     def _insert(self, req: Request, full: int) -> None:
@@ -648,10 +651,14 @@ class Model:
             req.path.append(n)
             parent = n
 
-    def _write_through(self, nodes: list[Node]) -> None:
+    def _write_through(self, nodes: list[Node], stale: bool) -> None:
         """Stage the new GPU blocks that storage lacks into CPU blocks (kept as
-        backups) and store them: one task, busy until it is reaped."""
+        backups) and store them: one task, busy until it is reaped. A ``stale``
+        request's blocks are not stored (counted)."""
         if not self.cpu_on or self.paused:  # staged through CPU blocks; would wait
+            return
+        if stale:
+            self.storage_counts["write_skipped_version"] += len(nodes)
             return
         todo = [n for n in nodes
                 if n.state == GPU and n.cpu < 0 and not n.busy and not n.in_storage]
@@ -731,6 +738,9 @@ class Model:
         version = str(version)
         if version == self.version:
             return {"changed": False, "version": version}
+        self.reap()  # what is in flight lands first: its stores in the old version's set
+        for req in self.reqs.values():
+            req.stale = True
         self.version = version
         self.ns = namespace_hash(self.cfg.model_id, version, self.cfg.salt)
         return {"changed": True, "version": version}

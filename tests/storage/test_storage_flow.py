@@ -143,6 +143,32 @@ def test_weight_version_isolation_in_storage(tmp_path):
         assert a.num_cached_tokens == 0
 
 
+def test_a_request_across_update_weights_stores_under_its_own_version_or_not_at_all(tmp_path):
+    """Its blocks are hashed under the old version: those computed before the
+    switch land in the old version's namespace (in flight or not), those
+    after are not stored; the new version's namespace gets none of them."""
+    store = tmp_path / "store"
+    with CacheManager(storage_cfg(tmp_path, "a")) as mgr:
+        mgr.allocate("across", PROMPT)
+        mgr.commit("across", PROMPT, 24 * BS)  # written through (in flight)
+        mgr.update_weights("1")
+        mgr.commit("across", PROMPT, len(PROMPT))
+        mgr.free("across")
+        storage = mgr.stats().storage
+    assert storage["stored"] == 24 and storage["write_skipped_version"] == 24, storage
+    objects = {d.name: sum(1 for f in d.rglob("*") if f.is_file())
+               for d in store.iterdir() if d.is_dir()}
+    assert objects == {"kvcached-test@0": 24}, objects  # none under version 1
+    with CacheManager(storage_cfg(tmp_path, "b")) as mgr:  # the old weights
+        a = mgr.allocate("old", PROMPT)
+        a.wait(timeout=30)
+        assert a.hit.storage_tokens == 24 * BS
+    with CacheManager(storage_cfg(tmp_path, "c", weight_version="1")) as mgr:
+        a = mgr.allocate("new", PROMPT)
+        a.wait(timeout=30)
+        assert a.num_cached_tokens == 0
+
+
 def test_cpu_eviction_keeps_stored_blocks_findable(tmp_path):
     cfg = storage_cfg(tmp_path, "a", num_gpu_blocks=52, num_cpu_blocks=52)
     with CacheManager(cfg) as mgr:
