@@ -6,6 +6,8 @@ with vLLM's hybrid KV cache manager on (kvcached declares ``SupportsHMA``):
   prefix cache is reset the CPU tier serves every full block vLLM's own
   cache hit, and so does storage in a new process; outputs are identical to
   vLLM without a connector.
+- Gemma 3 with every prompt chunked and so few blocks that vLLM preempts:
+  outputs stay identical, the CPU tier serves.
 - DeepSeek-V2 (MLA: one 576-wide latent per token and layer). vLLM's CPU
   MLA backend cannot prefill on top of a cached prefix (vLLM turns its own
   prefix caching off for it), so kvcached saves its KV and serves no hit
@@ -52,7 +54,7 @@ def gemma3(tmp_path_factory) -> dict:
                      "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]})
     second = run_app({**spec, "extra": {**extra, "run_dir": str(base / "run2")},
                       "steps": [["generate", "p"], ["status"]]})
-    return {"plain": plain, "first": first, "second": second}
+    return {"plain": plain, "first": first, "second": second, "model": spec["model"]}
 
 
 def test_gemma3_cpu_tier_and_storage_serve_what_vllm_hits(gemma3):
@@ -103,3 +105,28 @@ def test_deepseek_mla_is_saved_and_outputs_stay_identical(deepseek):
     mla_block = 16  # vLLM's CPU MLA backend's
     cpu = status_of(deepseek["served"])["stats"]["tiers"]["cpu"]
     assert cpu["used"] == computed_blocks(mla_block)  # one latent block each
+
+
+# Two groups of four prompts sharing a 256-token head; a 256-token budget
+# chunks every prompt, and 72 blocks (every token block takes one per group,
+# a window's fewer) make vLLM queue and preempt: the window's blocks vLLM
+# drops mid-request are the ones a save must still read.
+CHUNKED_PROMPTS = {"g": [[100 * g + i, 400 + 80 * i + 16 * g, 10 + g, 256]
+                         for g in range(2) for i in range(4)]}
+CHUNKED = {"max_num_batched_tokens": 256, "num_gpu_blocks_override": 72, "max_model_len": 1024,
+           "log_stats": True}
+
+
+def test_gemma3_chunked_and_preempted_outputs_stay_identical(gemma3, tmp_path):
+    spec = {"model": gemma3["model"], "model_shape": [4, 128, "gemma3"],
+            "prompts": CHUNKED_PROMPTS, **CHUNKED}
+    plain = run_app({**spec, "extra": None, "steps": [["generate", "g"]]})
+    served = run_app({**spec, "extra": {"num_cpu_blocks": 1024, "run_dir": str(tmp_path / "run")},
+                      "steps": [["generate", "g"], ["reset"], ["generate", "g"],
+                                ["preemptions"], ["status"]]})
+    baseline = generated(plain)[0]["outputs"]
+    cold, warm = generated(served)
+    assert cold["outputs"] == baseline and warm["outputs"] == baseline
+    assert next(s["preemptions"] for s in served["steps"] if s["step"] == ["preemptions"]) > 0
+    assert status_of(served)["stats"]["hit_tokens"]["cpu"] >= 0.5 * sum(
+        n - 1 for _, n, *_ in CHUNKED_PROMPTS["g"])
