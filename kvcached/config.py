@@ -99,6 +99,7 @@ class CacheConfig:
     storage_write_threshold: int = 1
     storage_secret_file: str = ""
     storage_secret_env: str = ""
+    storage_encrypt: bool = False
     check_host_memory: bool = True
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -175,6 +176,10 @@ class CacheConfig:
                              f"{self.storage_write_threshold}")
         _choice(self, "eviction_policy", EVICTION_POLICIES)
         self.storage_secrets()  # a secret that cannot be read is an error now, not later
+        if self.storage_encrypt and not (self.storage_secret_file or self.storage_secret_env):
+            raise ValueError("storage_encrypt = true needs a fleet secret to derive its keys "
+                             "from: set storage_secret_file (or storage_secret_env), the same "
+                             "on every instance, or set storage_encrypt = false")
         _check_cuda_copy(self)
         if self.storage_backend in ("mooncake", "redis") and not self.storage_url:
             raise ValueError(

@@ -10,9 +10,14 @@ Three parts, each best of ``--reps`` on one core:
   included), and AEAD encryption for reference (AES-GCM, ChaCha20-Poly1305).
 - ``verify``: ``objects.verify_object`` over objects already in memory (the
   CPU work a hit adds to its read): microseconds per object and the ratio
-  signed / unsigned, per block size.
+  signed / unsigned, per block size; ``encrypted`` (``storage_encrypt``)
+  verifies and decrypts in place (the time to put the ciphertext back before
+  each pass is measured apart and subtracted).
 - ``load``: ``BlockStore.load`` of ``--blocks`` blocks from a file store in
-  the page cache (read + verify): GB/s and the ratio unsigned / signed.
+  the page cache (read + verify [+ decrypt]): GB/s unsigned, signed and
+  encrypted, and the ratios unsigned / signed and unsigned / encrypted;
+  ``store``: ``BlockStore.store`` of the same blocks into it (objects deleted
+  first, the delete not timed).
 
 The last line printed is the JSON summary ``{"bench": "storage_mac", ...}``.
 
@@ -103,29 +108,47 @@ def primitives(reps: int) -> dict:
 
 # ------------------------------------------------------------------ verify
 def verify(reps: int, n: int = 64) -> dict:
-    auth = ObjectAuth([SECRET])
+    auths = {"unsigned": None, "signed": ObjectAuth([SECRET]),
+             "encrypted": ObjectAuth([SECRET], encrypt=True)}
     out = {}
     for name, layout in LAYOUTS.items():
         pool = np.random.randint(0, 256, (n, layout.block_bytes), dtype=np.uint8)
         hashes = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(n)]
         res = {}
-        for label, a in (("unsigned", None), ("signed", auth)):
+        for label, a in auths.items():
             keys = [obj.object_key("ns@mac" if a else "ns", h, 0, 1) for h in hashes]
-            hdrs = [obj.pack_header(layout_digest=layout.digest, block_hash=h, rank=0,
-                                    tp_size=1, payload=memoryview(pool[i]), auth=a, key=k)
-                    for i, (h, k) in enumerate(zip(hashes, keys, strict=True))]
+            stored = pool.copy()  # what is read: the block, or its ciphertext
+            sealed = np.empty(layout.block_bytes + 16, dtype=np.uint8)
+            hdrs = []
+            for i, (h, k) in enumerate(zip(hashes, keys, strict=True)):
+                hdrs.append(obj.pack_header(layout_digest=layout.digest, block_hash=h,
+                                            rank=0, tp_size=1, payload=memoryview(pool[i]),
+                                            auth=a, key=k, sealed=memoryview(sealed)))
+                if a is not None and a.encrypt:
+                    stored[i] = sealed[:layout.block_bytes]
             nread = obj.header_size(a) + layout.block_bytes
+            buf = stored.copy()  # decrypted in place: refilled from `stored` before a pass
+            refill = a is not None and a.encrypt
 
-            def run(a=a, keys=keys, hdrs=hdrs, nread=nread, layout=layout, pool=pool,
-                    hashes=hashes):
+            def run(a=a, keys=keys, hdrs=hdrs, nread=nread, layout=layout, buf=buf,
+                    hashes=hashes, refill=refill, stored=stored, check=True):
+                if refill:
+                    np.copyto(buf, stored)
+                if not check:
+                    return
                 for i in range(n):
-                    r = obj.verify_object(hdrs[i], memoryview(pool[i]), nread=nread,
+                    r = obj.verify_object(hdrs[i], memoryview(buf[i]), nread=nread,
                                           layout_digest=layout.digest, block_hash=hashes[i],
                                           rank=0, tp_size=1, auth=a, key=keys[i])
                     assert r is None, r
-            res[f"{label}_us_per_object"] = round(best_s(run, reps) / n * 1e6, 2)
-        res["signed_over_unsigned"] = round(res["signed_us_per_object"]
-                                            / res["unsigned_us_per_object"], 2)
+            t = best_s(run, reps)
+            if refill:
+                assert np.array_equal(buf, pool)  # the last pass decrypted every block
+                t -= best_s(lambda run=run: run(check=False), reps)
+            res[f"{label}_us_per_object"] = round(t / n * 1e6, 2)
+        for label in ("signed", "encrypted"):
+            res[f"{label}_over_unsigned"] = round(res[f"{label}_us_per_object"]
+                                                  / res["unsigned_us_per_object"], 2)
         out[name] = res
         log(f"verify {name}: {res}")
     return out
@@ -133,7 +156,8 @@ def verify(reps: int, n: int = 64) -> dict:
 
 # ------------------------------------------------------------------ load
 def load(reps: int, n: int) -> dict:
-    auth = ObjectAuth([SECRET])
+    auths = {"unsigned": None, "signed": ObjectAuth([SECRET]),
+             "encrypted": ObjectAuth([SECRET], encrypt=True)}
     out = {}
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-mac-") as d:
         backend = open_backend("file", d)
@@ -145,20 +169,29 @@ def load(reps: int, n: int) -> dict:
                 hashes = [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).digest()
                           for i in range(n)]
                 stores = {}
-                for label, a in (("unsigned", None), ("signed", auth)):
+                for label, a in auths.items():
                     stores[label] = BlockStore(backend, layout.digest, 0, 1,
                                                storage_namespace("bench", name), auth=a)
-                    assert all(stores[label].store(hashes, pool, ids))
                 best = dict.fromkeys(stores, float("inf"))
-                for _ in range(reps + 1):  # interleaved: both see the same machine
+                best_store = dict.fromkeys(stores, float("inf"))
+                for _ in range(reps + 1):  # interleaved: all see the same machine
                     for label, bs in stores.items():
+                        bs.delete(hashes)
+                        t0 = time.perf_counter()
+                        assert all(bs.store(hashes, pool, ids))
+                        best_store[label] = min(best_store[label], time.perf_counter() - t0)
                         t0 = time.perf_counter()
                         assert bs.load(hashes, dst, ids) == n
                         best[label] = min(best[label], time.perf_counter() - t0)
                         assert torch.equal(dst, pool)
+                        dst.zero_()
                 res = {f"{k}_gbps": round(n * layout.block_bytes / v / 1e9, 2)
                        for k, v in best.items()}
                 res["unsigned_over_signed"] = round(res["unsigned_gbps"] / res["signed_gbps"], 3)
+                res["unsigned_over_encrypted"] = round(res["unsigned_gbps"]
+                                                       / res["encrypted_gbps"], 3)
+                res["store_gbps"] = {k: round(n * layout.block_bytes / v / 1e9, 2)
+                                     for k, v in best_store.items()}
                 out[name] = res
                 log(f"load {n} x {name} from the page cache: {res}")
                 backend.clear()

@@ -182,7 +182,9 @@ def _health_line(h: dict[str, Any]) -> str:
         words[word] = words.get(word, 0) + n
     rej = f"rejected {sum(rejected.values())} ({pairs(words)})" if rejected else "rejected 0"
     extra = [f"{k} {h[k]}" for k in ("errors", "timeouts") if h.get(k)]
-    if h.get("authenticated"):
+    if h.get("encrypted"):
+        extra.append("objects signed and encrypted (storage secret)")
+    elif h.get("authenticated"):
         extra.append("objects signed (storage secret)")
     if h.get("breaker") not in (None, "", "closed"):
         extra.append(f"breaker {h['breaker']}")

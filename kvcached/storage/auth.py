@@ -29,6 +29,20 @@ Poly1305 ~12, keyed BLAKE2b ~0.9, measured on 1 MiB payloads; see
 ``scripts/bench_storage_mac.py``), so a verified hit costs little more than a
 checksummed one (the MAC replaces the xxh3 checksum).
 
+Encryption at rest (``storage_encrypt = true``): the same ``k_obj`` encrypts
+the payload with AES-256-GCM (nonce 0: the key is used once) instead of
+authenticating it as associated data::
+
+    ciphertext || tag = AES-256-GCM(k_obj, nonce=0, plaintext=payload)
+
+The header's flags (signed, so part of ``k_obj``) say which of the two an
+object is. So one derivation and one AEAD call serve both modes: the key is
+derived from the secret and the object's key (its namespace: model, weight
+version, salt), a copy of the store reveals no KV, and a failed tag is a miss
+(``bad_mac``) either way. A load reads the ciphertext into the host block and
+decrypts it there (one copy of the block into a scratch buffer; see
+:meth:`ObjectAuth.open`).
+
 Rotation: several secrets may be configured; the first signs, every one of
 them verifies (the header's key id picks the secret without trying each).
 """
@@ -38,8 +52,10 @@ from __future__ import annotations
 import hmac
 import os
 import struct
+import threading
 from hashlib import blake2b
 
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvcached.config import MIN_STORAGE_SECRET_BYTES
@@ -58,11 +74,12 @@ def key_id(secret: bytes) -> bytes:
 
 
 class ObjectAuth:
-    """Signs objects with the first of ``secrets`` and verifies with any of them.
+    """Signs objects with the first of ``secrets`` and verifies with any of them;
+    with ``encrypt`` the payloads are encrypted too (see the module docstring).
 
     The secrets never leave this object (``repr`` shows key ids only)."""
 
-    def __init__(self, secrets: list[bytes]) -> None:
+    def __init__(self, secrets: list[bytes], encrypt: bool = False) -> None:
         if not secrets:
             raise ValueError("ObjectAuth needs at least one secret")
         for s in secrets:
@@ -74,10 +91,13 @@ class ObjectAuth:
             self._masters.setdefault(key_id(s), blake2b(s, digest_size=32,
                                                         person=b"kvcached-master").digest())
         self.signing_key_id = key_id(secrets[0])
+        self.encrypt = bool(encrypt)
+        self._scratch = threading.local()  # per thread: open() of an encrypted object
 
     def __repr__(self) -> str:
         ids = ", ".join(k.hex() for k in self._masters)
-        return f"ObjectAuth(signs with {self.signing_key_id.hex()}, verifies {ids})"
+        mode = "encrypts, " if self.encrypt else ""
+        return f"ObjectAuth({mode}signs with {self.signing_key_id.hex()}, verifies {ids})"
 
     @property
     def key_ids(self) -> list[str]:
@@ -91,10 +111,8 @@ class ObjectAuth:
     def new_salt(self) -> bytes:
         return os.urandom(SALT_SIZE)
 
-    def tag(self, kid: bytes, key: str, signed, payload) -> bytes | None:
-        """The tag of an object under the secret ``kid`` (None: not ours).
-
-        ``signed`` is the header's authenticated part (bytes 0..111)."""
+    def _aead(self, kid: bytes, key: str, signed) -> AESGCM | None:
+        """AES-GCM under the object's one-time key ``k_obj`` (None: ``kid`` is not ours)."""
         master = self._masters.get(bytes(kid))
         if master is None:
             return None
@@ -103,10 +121,52 @@ class ObjectAuth:
         h.update(_LEN.pack(len(kb)))
         h.update(kb)
         h.update(signed)
+        return AESGCM(h.digest())
+
+    def tag(self, kid: bytes, key: str, signed, payload) -> bytes | None:
+        """The MAC-only tag of an object under the secret ``kid`` (None: not ours).
+
+        ``signed`` is the header's authenticated part (bytes 0..111)."""
+        aead = self._aead(kid, key, signed)
         # AES-GCM of no plaintext is GMAC of the associated data: the payload.
-        return AESGCM(h.digest()).encrypt(_ZERO_NONCE, b"", payload)[:TAG_SIZE]
+        return None if aead is None else aead.encrypt(_ZERO_NONCE, b"", payload)[:TAG_SIZE]
 
     def check(self, kid: bytes, key: str, signed, payload, tag) -> bool:
-        """Whether ``tag`` is the object's tag (constant-time compare)."""
+        """Whether ``tag`` is the object's MAC-only tag (constant-time compare)."""
         want = self.tag(kid, key, signed, payload)
         return want is not None and hmac.compare_digest(want, bytes(tag))
+
+    def seal(self, key: str, signed, payload, sealed=None) -> bytes:
+        """The tag of a new object (signed with the first secret). Encrypting,
+        ``sealed`` (``len(payload) + TAG_SIZE`` writable bytes) receives the
+        ciphertext and the tag, and the ciphertext is what gets stored."""
+        if not self.encrypt:
+            return self.tag(self.signing_key_id, key, signed, payload)
+        n = len(payload)
+        if sealed is None or len(sealed) != n + TAG_SIZE:
+            raise ValueError(f"an encrypted object needs a buffer of {n + TAG_SIZE} bytes")
+        self._aead(self.signing_key_id, key, signed).encrypt_into(_ZERO_NONCE, payload, b"",
+                                                                  sealed)
+        return bytes(sealed[n:])
+
+    def open(self, kid: bytes, key: str, signed, payload, tag) -> bool:
+        """Verify an object read into ``payload``; encrypting, also decrypt it there.
+        False (a miss) when the tag fails or ``kid`` is not ours; ``payload`` is then
+        garbage (the caller treats it so)."""
+        if not self.encrypt:
+            return self.check(kid, key, signed, payload, tag)
+        aead = self._aead(kid, key, signed)
+        if aead is None:
+            return False
+        n = len(payload)
+        scratch = getattr(self._scratch, "buf", None)
+        if scratch is None or len(scratch) < n + TAG_SIZE:
+            scratch = self._scratch.buf = bytearray(n + TAG_SIZE)
+        ct = memoryview(scratch)[:n + TAG_SIZE]
+        ct[:n] = payload  # AES-GCM wants ciphertext || tag in one buffer
+        ct[n:] = tag
+        try:
+            aead.decrypt_into(_ZERO_NONCE, ct, b"", payload)
+        except InvalidTag:
+            return False
+        return True

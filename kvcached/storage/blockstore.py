@@ -47,6 +47,10 @@ _DAMAGED = {"short_read", "bad_magic", "bad_header_crc", "length_mismatch",
             "checksum_mismatch", "wrong_block"}
 
 
+# storage_encrypt: a store encrypts at most this many bytes of blocks at a time
+# (the ciphertext's buffers), then writes them.
+ENCRYPT_BATCH_BYTES = 16 << 20
+
 # storage_max_bytes = 0: the file store may take this share of the free disk.
 DEFAULT_DISK_FRACTION = 0.1
 
@@ -62,7 +66,9 @@ class BlockStore:
 
     With ``auth`` (an :class:`~kvcached.storage.auth.ObjectAuth` from the fleet
     secret) objects are signed on store and verified on load (see
-    ``objects.py``); their keys live under ``<namespace>@mac``."""
+    ``objects.py``); their keys live under ``<namespace>@mac``. If ``auth``
+    encrypts (``storage_encrypt``), payloads are stored encrypted and decrypted
+    into the host blocks on load; keys under ``<namespace>@enc``."""
 
     def __init__(self, backend: StorageBackend, layout_digest: str, rank: int,
                  tp_size: int, namespace: str, auth=None) -> None:
@@ -104,7 +110,10 @@ class BlockStore:
         auth = None
         if secrets:
             from kvcached.storage.auth import ObjectAuth
-            auth = ObjectAuth(secrets)
+            auth = ObjectAuth(secrets, encrypt=cfg.storage_encrypt)
+        elif cfg.storage_encrypt:
+            raise ValueError("storage_encrypt = true needs a fleet secret "
+                             "(storage_secret_file or storage_secret_env)")
         backend = open_backend(kind, url, **opts)
         ns = storage_namespace(cfg.model_id, cfg.weight_version, cfg.salt)
         return cls(backend, cfg.layout.digest, rank, cfg.tp_size, ns, auth=auth)
@@ -120,7 +129,7 @@ class BlockStore:
         """Backend keys of ``hashes`` for this rank."""
         ns = namespace or self.namespace
         if self.auth is not None:
-            ns = mac_namespace(ns)
+            ns = mac_namespace(ns, self.auth.encrypt)
         return [object_key(ns, h, self.rank, self.tp_size) for h in hashes]
 
     # ------------------------------------------------------------ API
@@ -147,20 +156,37 @@ class BlockStore:
 
     def _put(self, hashes: Sequence[bytes], host_ids: Sequence[int], keys: list[str],
              view: memoryview, bb: int) -> list[bool]:
+        if self.auth is not None and self.auth.encrypt:
+            # The ciphertext needs buffers of its own: batches of at most
+            # ENCRYPT_BATCH_BYTES bound them.
+            step = max(1, ENCRYPT_BATCH_BYTES // (bb + 16))
+            ok = []
+            for s in range(0, len(hashes), step):
+                ok += self._put_batch(hashes[s:s + step], host_ids[s:s + step],
+                                      keys[s:s + step], view, bb)
+        else:
+            ok = self._put_batch(hashes, host_ids, keys, view, bb)
+        self.counters.inc("blocks_stored", sum(ok))
+        self.counters.inc("blocks_store_failed", len(ok) - sum(ok))
+        return ok
+
+    def _put_batch(self, hashes: Sequence[bytes], host_ids: Sequence[int], keys: list[str],
+                   view: memoryview, bb: int) -> list[bool]:
         hs = self.header_size
+        sealed = None
+        if self.auth is not None and self.auth.encrypt:
+            sealed = memoryview(np.empty(len(hashes) * (bb + 16), dtype=np.uint8))
         with self._arena(len(hashes)) as hdrs:
             bufs = []
             for i, (h, hid) in enumerate(zip(hashes, host_ids, strict=True)):
                 payload = view[hid * bb:(hid + 1) * bb]
                 hdr = hdrs[i * hs:(i + 1) * hs]
+                out = None if sealed is None else sealed[i * (bb + 16):(i + 1) * (bb + 16)]
                 pack_header_into(hdr, layout_digest=self.layout_digest, block_hash=h,
                                  rank=self.rank, tp_size=self.tp_size, payload=payload,
-                                 auth=self.auth, key=keys[i])
-                bufs.append([hdr, payload])
-            ok = self.backend.put_from(keys, bufs)
-        self.counters.inc("blocks_stored", sum(ok))
-        self.counters.inc("blocks_store_failed", len(ok) - sum(ok))
-        return ok
+                                 auth=self.auth, key=keys[i], sealed=out)
+                bufs.append([hdr, payload if out is None else out[:bb]])
+            return self.backend.put_from(keys, bufs)
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Length of the contiguous prefix of ``hashes`` whose objects exist."""
@@ -259,7 +285,8 @@ class BlockStore:
                "load_misses": c["load_misses"], "damaged_deleted": c["damaged_deleted"],
                "rejected": {r: c[f"miss_{r}"] for r in MISS_REASONS if c[f"miss_{r}"]},
                "errors": b.get("errors", 0), "timeouts": b.get("timeouts", 0),
-               "breaker": b.get("breaker_state", ""), "authenticated": self.auth is not None}
+               "breaker": b.get("breaker_state", ""), "authenticated": self.auth is not None,
+               "encrypted": self.auth is not None and self.auth.encrypt}
         if "bytes_used" in b:
             out.update(used_bytes=b["bytes_used"], max_bytes=b.get("max_bytes", 0),
                        objects=b.get("objects", 0))

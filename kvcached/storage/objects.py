@@ -33,6 +33,12 @@ the payload) and a 128-byte header, the first 64 bytes as above, then::
 and the key's namespace gets the suffix ``@mac``, so authenticated and
 unauthenticated objects never share a key (a store used before the secret was
 set serves nothing old, and blocks nothing from being written again).
+
+With ``storage_encrypt`` too, ``flags`` has bit 1 set as well, the payload is
+the AES-GCM ciphertext of the block (same length), the tag at 112 is its
+AES-GCM tag under the same per-object key, and the namespace suffix is
+``@enc`` (encrypted and plaintext objects never share a key either: turning
+encryption on never leaves a plaintext object standing in for an encrypted one).
 Without a secret, objects are version 1 as they always were; a reader with a
 secret rejects them (``bad_mac``), a reader without one rejects version 2
 (``bad_version``).
@@ -62,7 +68,9 @@ HEADER_SIZE = 64
 MAC_FORMAT_VERSION = 2
 MAC_HEADER_SIZE = 128
 MAC_NAMESPACE_SUFFIX = "@mac"
+ENC_NAMESPACE_SUFFIX = "@enc"
 FLAG_MAC = 1
+FLAG_ENC = 2  # with FLAG_MAC: the payload is AES-GCM ciphertext
 CHECKSUM_NONE = 0  # version 2 only: the MAC covers the payload
 CHECKSUM_CRC32 = 1
 CHECKSUM_XXH3 = 2
@@ -121,10 +129,13 @@ def header_size(auth=None) -> int:
 
 def pack_header_into(buf, *, layout_digest: str, block_hash: bytes, rank: int,
                      tp_size: int, payload, kind: int = DEFAULT_CHECKSUM,
-                     auth=None, key: str = "") -> None:
+                     auth=None, key: str = "", sealed=None) -> None:
     """Write the header describing ``payload`` into the first
     ``header_size(auth)`` bytes of ``buf``. With ``auth`` (an
-    :class:`~kvcached.storage.auth.ObjectAuth`) the object is signed for ``key``."""
+    :class:`~kvcached.storage.auth.ObjectAuth`) the object is signed for ``key``;
+    if ``auth`` encrypts, ``sealed`` (``len(payload) + 16`` bytes) receives the
+    ciphertext (then its tag), and its first ``len(payload)`` bytes are the
+    object's payload."""
     if auth is None:
         body = _BODY.pack(MAGIC, FORMAT_VERSION, kind, 0, rank, tp_size, len(payload),
                           checksum(payload, kind), digest_field(layout_digest),
@@ -134,7 +145,8 @@ def pack_header_into(buf, *, layout_digest: str, block_hash: bytes, rank: int,
         return
     if not key:
         raise ValueError("an authenticated object needs its key")
-    body = _BODY.pack(MAGIC, MAC_FORMAT_VERSION, CHECKSUM_NONE, FLAG_MAC, rank, tp_size,
+    flags = FLAG_MAC | (FLAG_ENC if auth.encrypt else 0)
+    body = _BODY.pack(MAGIC, MAC_FORMAT_VERSION, CHECKSUM_NONE, flags, rank, tp_size,
                       len(payload), 0, digest_field(layout_digest), hash_field(block_hash))
     signed = bytearray(_SIGNED)
     signed[:_BODY.size] = body
@@ -142,7 +154,7 @@ def pack_header_into(buf, *, layout_digest: str, block_hash: bytes, rank: int,
     signed[_KID] = auth.signing_key_id
     signed[_SALT] = auth.new_salt()
     buf[:_SIGNED] = signed
-    buf[_SIGNED:MAC_HEADER_SIZE] = auth.tag(auth.signing_key_id, key, signed, payload)
+    buf[_SIGNED:MAC_HEADER_SIZE] = auth.seal(key, signed, payload, sealed)
 
 
 def pack_header(**kwargs) -> bytes:
@@ -162,6 +174,8 @@ def verify_object(header, payload, *, nread: int, layout_digest: str,
     expected payload length. With ``auth`` the object must be a version 2
     object whose tag verifies for ``key`` (else ``bad_mac``); the cheap
     checks come first, so a rejected header costs no pass over the payload.
+    If ``auth`` encrypts, the object must be encrypted, and ``payload`` (the
+    ciphertext as read) is decrypted in place.
     """
     hsize = header_size(auth)
     if nread < hsize:  # the header buffer may hold a previous object's bytes
@@ -186,8 +200,9 @@ def verify_object(header, payload, *, nread: int, layout_digest: str,
     if length != len(payload):
         return "length_mismatch"
     if auth is not None:
-        if not flags & FLAG_MAC or not auth.check(raw[_KID], key, raw[:_SIGNED], payload,
-                                                   raw[_SIGNED:MAC_HEADER_SIZE]):
+        want = FLAG_MAC | (FLAG_ENC if auth.encrypt else 0)
+        if flags & (FLAG_MAC | FLAG_ENC) != want or not auth.open(
+                raw[_KID], key, raw[:_SIGNED], payload, raw[_SIGNED:MAC_HEADER_SIZE]):
             return "bad_mac"
         return None
     if not checksum_available(kind):
@@ -234,10 +249,11 @@ def storage_namespace(model_id: str, weight_version: str, salt: str = "") -> str
     return ns
 
 
-def mac_namespace(namespace: str) -> str:
-    """The key namespace of authenticated objects (``@mac`` appended: ``@`` never
-    occurs in a namespace's escaped components, so no other namespace ends so)."""
-    return namespace + MAC_NAMESPACE_SUFFIX
+def mac_namespace(namespace: str, encrypt: bool = False) -> str:
+    """The key namespace of authenticated objects (``@mac`` appended, ``@enc`` for
+    encrypted ones: ``@`` never occurs in a namespace's escaped components, so no
+    other namespace ends so)."""
+    return namespace + (ENC_NAMESPACE_SUFFIX if encrypt else MAC_NAMESPACE_SUFFIX)
 
 
 def object_key(namespace: str, block_hash: bytes, rank: int, tp_size: int) -> str:

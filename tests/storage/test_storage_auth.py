@@ -305,6 +305,92 @@ def test_rotation_first_signs_all_verify(raw):
     assert only_b.stats()["miss_bad_mac"] == 1 and only_b.stats()["damaged_deleted"] == 0
 
 
+# ------------------------------------------------------------------ encryption
+def enc_store(raw, ns=NS0, secrets=(SECRET_A,)) -> BlockStore:
+    return BlockStore(raw.backend, LAYOUT.digest, 0, 1, ns,
+                      auth=ObjectAuth(list(secrets), encrypt=True))
+
+
+def test_encrypted_objects_reveal_no_kv(raw, monkeypatch):
+    """storage_encrypt: what the store holds is ciphertext (no 64-byte run of the
+    block in it), a load decrypts it back into the host block, and a store larger
+    than ENCRYPT_BATCH_BYTES goes out in batches."""
+    import kvcached.storage.blockstore as bsmod
+
+    monkeypatch.setattr(bsmod, "ENCRYPT_BATCH_BYTES", 2 * (LAYOUT.block_bytes + 16))
+    bs = enc_store(raw)
+    # Blocks with structure (repeated 64-byte runs) that a plaintext copy would show.
+    pool = make_pool(N, seed=3)
+    pool[:, :LAYOUT.block_bytes // 2] = 7
+    hashes = make_hashes(N, seed=3)
+    assert all(bs.store(hashes, pool, list(range(N))))
+    key = bs.keys(hashes)[0]
+    assert key.startswith(NS0 + "@enc/")
+    stored = raw.get(key)
+    assert len(stored) == obj.MAC_HEADER_SIZE + LAYOUT.block_bytes
+    assert stored[6:8] == bytes([obj.CHECKSUM_NONE, obj.FLAG_MAC | obj.FLAG_ENC])
+    ct = stored[obj.MAC_HEADER_SIZE:]
+    plain = pool[0].numpy().tobytes()
+    assert plain[:64] not in ct and plain[-64:] not in ct and bytes(64) not in ct
+    out = torch.zeros_like(pool)
+    assert bs.load(hashes, out, list(range(N))) == N and torch.equal(out, pool)
+    assert bs.health()["encrypted"] is True and bs.health()["authenticated"] is True
+    # A signing-only instance of the fleet looks elsewhere (@mac): a cold cache.
+    assert store(raw).lookup(hashes) == 0
+
+
+def test_encrypted_tampering_is_a_miss(raw):
+    bs = enc_store(raw)
+    pool, hashes = make_pool(N, seed=4), make_hashes(N, seed=4)
+    assert all(bs.store(hashes, pool, list(range(N))))
+    key = bs.keys([hashes[1]])[0]
+    flipped = bytearray(raw.get(key))
+    flipped[obj.MAC_HEADER_SIZE + 5000] ^= 1  # one ciphertext bit
+    raw.put(key, bytes(flipped))
+    load_stops_at(bs, hashes, 1, "bad_mac", pool)
+    # A signed plaintext object (same secret) put at an encrypted key: its flags
+    # say plaintext, and the flags are bound to the key: a miss, never data.
+    mac = store(raw)
+    assert all(mac.store(hashes, pool, list(range(N))))
+    bs2 = enc_store(raw)
+    raw.put(bs2.keys([hashes[0]])[0], raw.get(mac.keys([hashes[0]])[0]))
+    load_stops_at(bs2, hashes, 0, "bad_mac")
+    # Replayed from another tenant's namespace (same secret): the key differs.
+    src, hashes = enc_store(raw), make_hashes(N, seed=6)
+    assert all(src.store(hashes, pool, list(range(N))))
+    bs3 = enc_store(raw, storage_namespace("kvcached-demo", "0", "tenant-b"))
+    for k_src, k_dst in zip(src.keys(hashes), bs3.keys(hashes), strict=True):
+        raw.put(k_dst, raw.get(k_src))
+    load_stops_at(bs3, hashes, 0, "bad_mac")
+
+
+def test_encrypted_rotation(raw):
+    a = enc_store(raw, secrets=(SECRET_A,))
+    pool, hashes = make_pool(N, seed=5), make_hashes(N, seed=5)
+    assert all(a.store(hashes, pool, list(range(N))))
+    out = torch.zeros_like(pool)
+    ba = enc_store(raw, secrets=(SECRET_B, SECRET_A))
+    assert ba.load(hashes, out, list(range(N))) == N and torch.equal(out, pool)
+    only_b = enc_store(raw, secrets=(SECRET_B,))
+    assert only_b.load(hashes, out, list(range(N))) == 0
+    assert only_b.stats()["miss_bad_mac"] == 1 and only_b.stats()["damaged_deleted"] == 0
+
+
+def test_encrypt_needs_a_secret(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="storage_encrypt = true needs a fleet secret"):
+        _cfg(storage_encrypt=True)
+    monkeypatch.setenv("KVCACHED_STORAGE_ENCRYPT", "true")
+    with pytest.raises(ValueError, match="storage_encrypt = true needs a fleet secret"):
+        _cfg(storage_backend="file", storage_url=str(tmp_path / "s"), model_id="m")
+    monkeypatch.setenv("KV_FLEET_SECRET", SECRET_A.decode())
+    cfg = _cfg(storage_backend="file", storage_url=str(tmp_path / "s"), model_id="m",
+               num_cpu_blocks=4, storage_secret_env="KV_FLEET_SECRET")
+    bs = BlockStore.from_config(cfg, 0)
+    assert bs.auth.encrypt and "encrypts" in repr(bs.auth)
+    assert SECRET_A.decode() not in repr(bs.auth)
+    bs.close()
+
+
 # ------------------------------------------------------------------ config
 def _cfg(**kw):
     return CacheConfig.load(check_host_memory=False, **kw)
