@@ -413,3 +413,20 @@ def test_bench_manager_replay_is_the_simulators_lru():
     want = simulate(to_block_requests(requests, 4), 40, LRUPolicy())
     assert got["hit_rate"] == pytest.approx(want.hit_rate) and want.evictions > 0
     assert got["rejected"] == 0 and got["requests_per_s"] > 0
+
+
+def test_bench_policy_replays_a_trace_slice_beside_the_study(capsys):
+    """--trace: the manager with each policy and the study on the same slice."""
+    trace = Path(__file__).resolve().parents[1] / "data" / "synthetic_trace.jsonl"
+    result = bench.main(["--trace", str(trace), "--slice", "21:140", "--capacity", "200", "400"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["slice"] == "21:140" and [r["capacity"] for r in line["rows"]] == [200, 400]
+    for row in result["rows"]:
+        assert row["rejected_lru"] == row["rejected_adaptive"] == 0
+        assert 0 < row["lru"] <= row["study_lru"] * 1.1  # the same requests, nearly one model
+        assert row["vs_study"] == pytest.approx(row["adaptive"] / row["study"])
+        assert row["ratio"] == pytest.approx(row["adaptive"] / row["lru"])
+    assert {"floor_ok", "vs_study_ok", "rate_ok", "all_ok"} <= set(result)
+    assert bench.parse_slice("3:", 10) == (2, 10) and bench.parse_slice(None, 10) == (0, 10)
+    with pytest.raises(SystemExit):
+        bench.parse_slice("5:2", 10)
