@@ -25,8 +25,9 @@ from kvcached.memory.rundir import (
 
 logger = logging.getLogger(__name__)
 
-# What a dead engine leaves in a configured run directory (its logs stay).
-RUN_DIR_LEFTOVERS = ("ctl.sock", "coord.sock", ENGINE_FILE, PID_FILE)
+# What a dead engine leaves in a configured run directory (its logs stay; its
+# config.json too, for `kvcached launch`, but not the storage password).
+RUN_DIR_LEFTOVERS = ("ctl.sock", "coord.sock", ENGINE_FILE, PID_FILE, "credentials.json")
 
 
 def cleanup_leftovers(dry_run: bool = False, run_dirs: Iterable[str] = ()) -> list[str]:

@@ -105,7 +105,8 @@ def _worker_config(run_dir: str, config_path: str | None, config_file: str) -> C
         if not path.is_file():
             raise click.ClickException(
                 f"no {config_file} in {run_dir}: is the engine running? (or pass --config)")
-        return CacheConfig.from_dict(json.loads(path.read_text()), check_host_memory=False)
+        from kvcached.transfer.runconfig import read_run_config
+        return CacheConfig.from_dict(read_run_config(run_dir), check_host_memory=False)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
 

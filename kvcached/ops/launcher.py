@@ -26,7 +26,6 @@ without cleaning up.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -192,7 +191,8 @@ def _engine_config(run_dir: str | None) -> CacheConfig:
     if not path.is_file():
         raise ValueError(f"no {CONFIG_FILE} in {run_dir}: start the engine (with "
                          "spawn_workers = false) first, or pass --config")
-    cfg = CacheConfig.from_dict(json.loads(path.read_text()), check_host_memory=False)
+    from kvcached.transfer.runconfig import read_run_config
+    cfg = CacheConfig.from_dict(read_run_config(run_dir), check_host_memory=False)
     return cfg.replace(run_dir=str(run_dir))
 
 

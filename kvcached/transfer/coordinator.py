@@ -28,7 +28,6 @@ restarted worker comes back serving the current weights and storage.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import select
@@ -47,8 +46,9 @@ from kvcached.memory.rundir import write_engine_file
 from kvcached.tasks import Task, TaskHandle, TaskResult, merge_results
 from kvcached.transfer import protocol as P
 from kvcached.transfer.base import Transfer
-from kvcached.transfer.endpoints import CONFIG_FILE, coordinator_endpoint, socket_files
+from kvcached.transfer.endpoints import coordinator_endpoint, socket_files
 from kvcached.transfer.peers import PeerTracker
+from kvcached.transfer.runconfig import CREDENTIALS_FILE, write_run_config
 from kvcached.transfer.supervisor import (
     backoff_s,
     count_crash,
@@ -155,7 +155,7 @@ class WorkerTransfer(Transfer):
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Bind, spawn the workers (unless launched separately), wait for every hello."""
-        (self.run_dir / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict()))
+        write_run_config(self.run_dir, self.cfg)  # without a storage password
         write_engine_file(self.run_dir)
         endpoint = coordinator_endpoint(self.cfg, self.run_dir)
         if len(endpoint) > 100:
@@ -218,6 +218,7 @@ class WorkerTransfer(Transfer):
         os.close(self._wake_w)
         for path in socket_files(self.run_dir):
             path.unlink(missing_ok=True)
+        (self.run_dir / CREDENTIALS_FILE).unlink(missing_ok=True)
 
     @property
     def log_dir(self) -> Path:
@@ -570,11 +571,9 @@ class WorkerTransfer(Transfer):
 
     def _write_config(self, cfg: CacheConfig) -> None:
         """``cfg`` becomes what (re)started workers load: ``run_dir/config.json``,
-        replaced atomically (a worker never reads half a file)."""
-        path = self.run_dir / CONFIG_FILE
-        tmp = path.with_name(f".{CONFIG_FILE}.tmp")
-        tmp.write_text(json.dumps(cfg.to_dict()))
-        os.replace(tmp, path)
+        replaced atomically (a worker never reads half a file), its storage
+        password in ``credentials.json`` (kvcached.transfer.runconfig)."""
+        write_run_config(self.run_dir, cfg)
         self.cfg = cfg
 
     def restart_workers(self, timeout_s: float) -> dict[str, Any]:

@@ -42,11 +42,13 @@ from pathlib import Path
 import zmq
 
 from kvcached.config import CacheConfig
+from kvcached.storage.base import redact_url
 from kvcached.transfer import protocol as P
 from kvcached.transfer.control import WorkerControl
 from kvcached.transfer.endpoints import CONFIG_FILE, ENGINE_FILE, coordinator_endpoint
 from kvcached.transfer.executor import RankExecutor
 from kvcached.transfer.lanes import LANE_OF, LANES
+from kvcached.transfer.runconfig import read_run_config
 
 logger = logging.getLogger(__name__)
 
@@ -430,7 +432,7 @@ class Worker(WorkerControl):
         after one, or a `kvcached launch` worker started from a TOML file,
         comes back serving what the engine serves."""
         try:
-            current = json.loads((self.run_dir / CONFIG_FILE).read_text())
+            current = read_run_config(self.run_dir)
         except (OSError, ValueError):
             return  # no engine config (yet): ours is all there is
         changes = {k: current[k] for k in RUNTIME_FIELDS
@@ -443,6 +445,8 @@ class Worker(WorkerControl):
             logger.error("worker rank %d: the engine's %s is not usable here: %s", self.rank,
                          CONFIG_FILE, e)
             return
+        if "storage_url" in changes:
+            changes["storage_url"] = redact_url(changes["storage_url"])
         logger.info("worker rank %d: serving the engine's current %s", self.rank, changes)
 
     def _engine_alive(self) -> bool:
