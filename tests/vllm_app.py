@@ -7,7 +7,8 @@ vLLM's engine core runs in this one process (with ``"tp": 2``, one worker
 process per rank); the tests fork it from ``tests/vllm_forkserver.py``.
 
 Steps: ``["generate", name]`` (greedy outputs and ``num_cached_tokens`` of the
-prompt set ``name``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
+prompt set ``name``; ``["generate", name, salt]``: every prompt with that
+``cache_salt``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
 (SIGKILL rank 0's transfer worker; ``restarts`` reports it came back),
 ``["ctl", op]`` (``kvcached ctl op``), ``["status"]``, ``["corrupt", dir, n]`` (every
 n-th stored object damaged), ``["signal", pid, name]`` (e.g. freeze a storage
@@ -272,8 +273,9 @@ def main(spec: dict) -> dict:
     for step in spec["steps"]:
         if step[0] == "generate":
             t = time.monotonic()
-            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in sets[step[1]]], sp,
-                               use_tqdm=False)
+            salt = {"cache_salt": step[2]} if len(step) > 2 and step[2] else {}
+            res = llm.generate([TokensPrompt(prompt_token_ids=p, **salt) for p in sets[step[1]]],
+                               sp, use_tqdm=False)
             out["steps"].append({"step": step, "seconds": time.monotonic() - t,
                                  "outputs": [list(r.outputs[0].token_ids) for r in res],
                                  "cached": [r.num_cached_tokens for r in res]})

@@ -24,7 +24,7 @@ from vllm_runs import BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_shar
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
-PROMPTS = {"p": SINGLE}
+PROMPTS = {"p": SINGLE, "s": [[11, 300]]}  # s: the tenants' (cache_salt) prompt
 FULL_BLOCKS = sum((n - 1) // BLOCK for _, n in SINGLE)  # of the prompts: 69
 
 
@@ -58,7 +58,12 @@ def served(model, storage, tmp_path_factory) -> dict:
              ["ctl", "pause"], ["reset"], ["generate", "p"], ["ctl", "resume"],
              ["ctl", "sleep"], ["reset"], ["generate", "p"], ["ctl", "wakeup"],
              ["reset"], ["generate", "p"], ["status"],
-             ["events", {"CPU": FULL_BLOCKS, "STORAGE": FULL_BLOCKS}]]
+             ["events", {"CPU": FULL_BLOCKS, "STORAGE": FULL_BLOCKS}],
+             # tenants: one prompt under salt A, then salt B and no salt (each
+             # after a reset: only kvcached's tiers could serve it), then A again
+             ["generate", "s", "tenant-a"], ["reset"], ["generate", "s", "tenant-b"],
+             ["reset"], ["generate", "s"], ["reset"], ["generate", "s", "tenant-a"],
+             ["status"]]
     extra = {"num_cpu_blocks": 512, "run_dir": str(run_dir), "storage_backend": "file",
              "storage_url": str(storage)}
     return run_app({"model": model, "extra": extra, "prompts": PROMPTS, "steps": steps,
@@ -73,6 +78,23 @@ def test_cpu_tier_serves_identical_outputs(served, baseline):
     status = next(s["status"] for s in served["steps"] if s["step"] == ["status"])
     assert status["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
     assert status["stats"]["tiers"]["cpu"]["used"] >= sum(warm["cached"]) // BLOCK
+
+
+def test_cache_salt_keeps_tenants_apart(served):
+    """Requests with another cache_salt, or none, get nothing from kvcached's CPU
+    tier or storage (a hit would tell one tenant what another sent); the same
+    salt hits. Outputs are the same whatever the salt (greedy, same tokens)."""
+    runs = [s for s in generated(served) if s["step"][1] == "s"]
+    a, b, none, a_again = runs
+    assert a["cached"] == [0] and b["cached"] == [0] and none["cached"] == [0], \
+        [r["cached"] for r in runs]
+    assert served_share(a_again, PROMPTS["s"]) == [1.0], a_again["cached"]
+    assert a["outputs"] == b["outputs"] == none["outputs"] == a_again["outputs"]
+    status = [s["status"] for s in served["steps"] if s["step"] == ["status"]]
+    before, after = status[-2]["stats"]["hit_tokens"], status[-1]["stats"]["hit_tokens"]
+    # the one hit among the four is salt A's second run, from the CPU tier
+    assert after["cpu"] - before["cpu"] == a_again["cached"][0], (before, after)
+    assert after.get("storage", 0) == before.get("storage", 0)
 
 
 def test_vllm_metrics_count_hits_by_source(served):
