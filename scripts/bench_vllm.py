@@ -495,7 +495,8 @@ def storage_summary(restart: dict, full: int) -> dict:
                                               "min": min(pairs), "max": max(pairs)},
             "storage_hit_ttft_s": statistics.median(r["storage"]),
             "storage_own_hit_ttft_s": statistics.median(r["own"]),
-            "storage_hit_blocks_served": min(r["cached"]) / full}
+            "storage_hit_blocks_served": min(r["cached"]) / full,
+            "storage_hit_cached_tokens": r["cached"]}
 
 
 def family_hits(family: str, model: str, p: dict, work: Path, cpu_blocks: int,

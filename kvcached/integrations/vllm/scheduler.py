@@ -668,11 +668,14 @@ class SchedulerHalf:
         from storage into the engine's blocks, a load into host blocks only."""
         batches: dict[tuple[str, bool, int], list[tuple[Task, Part]]] = \
             collections.defaultdict(list)
-        for i, (_, load) in enumerate(self.planned_loads):
+        for t, load in self.planned_loads:
             for task, part in zip(load.plan.tasks, load.parts, strict=True):
                 # Swap-ins batch (all or nothing); a storage read reports the
-                # prefix it got, which must be this request's alone.
-                key = (task.kind, "device_ids" in task.args, i if task.kind == "load" else -1)
+                # prefix it got, which must be this request's alone (its
+                # groups' in one read: a block short in one group counts the
+                # later groups' as not arrived, and they are recomputed).
+                key = (task.kind, "device_ids" in task.args,
+                       id(t) if task.kind == "load" else -1)
                 batches[key].append((task, part))
         self.planned_loads.clear()
         for (kind, _, _), parts in batches.items():
