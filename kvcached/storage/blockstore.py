@@ -71,7 +71,7 @@ class BlockStore:
     into the host blocks on load; keys under ``<namespace>@enc``."""
 
     def __init__(self, backend: StorageBackend, layout_digest: str, rank: int,
-                 tp_size: int, namespace: str, auth=None) -> None:
+                 tp_size: int, namespace: str, auth=None, writes: bool = True) -> None:
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank must be in [0, {tp_size}), got {rank}")
         self.backend = backend
@@ -80,6 +80,7 @@ class BlockStore:
         self.tp_size = tp_size
         self.namespace = namespace
         self.auth = auth
+        self.writes = writes  # False: another rank writes the one copy (MLA)
         self.header_size = header_size(auth)
         self.counters = Counters("blocks_stored", "blocks_already_stored",
                                  "blocks_store_failed", "blocks_loaded",
@@ -98,14 +99,18 @@ class BlockStore:
             return None
         opts: dict = {}
         url = cfg.storage_url
+        # MLA's latent is the same on every TP rank: one copy, written by rank 0
+        # under keys without the TP size (an instance of any TP size shares
+        # it), read by every rank.
+        key_rank, key_tp = (0, 1) if cfg.mla else (rank, cfg.tp_size)
         if kind == "file":
             url = url or default_file_dir()
             # Every rank's process shares the directory: each enforces its share
             # of the cap over the objects of its own rank.
             cap = cfg.storage_max_bytes
-            opts = {"max_bytes": max(cap // cfg.tp_size, 1) if cap > 0 else 0,
-                    "disk_fraction": DEFAULT_DISK_FRACTION / cfg.tp_size if cap == 0 else 0.0,
-                    "index_suffix": f"/{rank}of{cfg.tp_size}"}
+            opts = {"max_bytes": max(cap // key_tp, 1) if cap > 0 else 0,
+                    "disk_fraction": DEFAULT_DISK_FRACTION / key_tp if cap == 0 else 0.0,
+                    "index_suffix": f"/{key_rank}of{key_tp}"}
         secrets = cfg.storage_secrets()
         auth = None
         if secrets:
@@ -116,7 +121,8 @@ class BlockStore:
                              "(storage_secret_file or storage_secret_env)")
         backend = open_backend(kind, url, **opts)
         ns = storage_namespace(cfg.model_id, cfg.weight_version, cfg.salt)
-        return cls(backend, cfg.layout.digest, rank, cfg.tp_size, ns, auth=auth)
+        return cls(backend, cfg.layout.digest, key_rank, key_tp, ns, auth=auth,
+                   writes=rank == key_rank)
 
     # ------------------------------------------------------------ keys
     def set_namespace(self, namespace: str) -> None:
@@ -139,8 +145,8 @@ class BlockStore:
         Objects storage already holds are not written again (a fleet computes and
         evicts the same blocks on several instances): they count as stored."""
         _same_len(hashes, host_ids)
-        if not hashes:
-            return []
+        if not hashes or not self.writes:
+            return [True] * len(hashes)  # the writing rank's answer decides
         view, bb = self._pool_view(host_pool, host_ids)
         keys = self.keys(hashes)
         have = self.backend.exists(keys)

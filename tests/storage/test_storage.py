@@ -295,6 +295,27 @@ def test_blockstore_from_config(tmp_path):
     assert BlockStore.from_config(cfg.replace(storage_backend=None), rank=0) is None
 
 
+def test_mla_latent_is_one_copy_every_tp_size_shares(tmp_path):
+    """MLA's latent is the same on every rank: rank 0 writes it under keys
+    without the TP size, every rank of an instance of any TP size reads it."""
+    mla = dict(storage_backend="file", storage_url=str(tmp_path / "s"), num_cpu_blocks=8,
+               num_gpu_blocks=8, model_id="m", mla=True, num_kv_heads=1, head_dim=576,
+               block_size=16)
+    tp2 = [BlockStore.from_config(CacheConfig.load(**mla, tp_size=2), rank=r) for r in (0, 1)]
+    tp1 = BlockStore.from_config(CacheConfig.load(**mla, tp_size=1), rank=0)
+    assert tp2[0].keys(make_hashes(2)) == tp2[1].keys(make_hashes(2)) == tp1.keys(make_hashes(2))
+    layout = CacheConfig.load(**mla).layout
+    pool, hashes = make_pool(2, layout=layout), make_hashes(2)
+    assert tp2[1].store(hashes, pool, [0, 1]) == [True, True]  # rank 1 leaves it to rank 0
+    assert tp1.lookup(hashes) == 0
+    assert tp2[0].store(hashes, pool, [0, 1]) == [True, True]
+    for reader in (tp1, tp2[1]):  # a TP=1 instance, the other rank
+        out = torch.zeros_like(pool)
+        assert reader.load(hashes, out, [0, 1]) == 2 and torch.equal(out, pool)
+    plain = CacheConfig.load(**{**mla, "mla": False, "num_kv_heads": 2}, tp_size=2)
+    assert BlockStore.from_config(plain, rank=1).rank == 1  # other models: a copy per rank
+
+
 def test_blockstore_loads_into_pool_without_copies(tmp_path):
     """Payloads land in the host pool's own memory (readv into a view of it)."""
     bs = make_store(_file(tmp_path))
