@@ -9,6 +9,10 @@ kvcached. (A step with nothing scheduled, which vLLM follows at once with the
 next, waits up to ``IDLE_WAIT_S`` for the oldest lookup or load in flight;
 see ``_wait_idle``.)
 
+A model's KV cache groups (a hybrid's sliding-window and full-attention
+layers; see ``group_tags``) are cached apart: each request holds one core
+request per group, and a hit is the prefix every group restores.
+
 - ``get_num_new_matched_tokens``: how many tokens past vLLM's own hit the
   CPU tier, then storage, hold (block-aligned; at least one prompt token is
   left to compute). The CPU tier answers at once; storage is asked by a
@@ -24,7 +28,8 @@ see ``_wait_idle``.)
   the request waits in WAITING_FOR_REMOTE_KVS, vLLM keeps scheduling).
 - ``build_connector_meta``: (1) the saves of blocks an earlier forward
   computed are submitted, one task for the step; (2) this step's loads are
-  submitted (one task per kind); (3) this step's saves are planned; (4) loads
+  submitted (one task per kind; a request's storage reads, of all its
+  groups, one task of their own); (3) this step's saves are planned; (4) loads
   that finished since the last report are handed to the workers in the
   metadata, failed ones with the blocks that did not arrive, and so are
   finished requests whose saves are done; the workers report them to vLLM
