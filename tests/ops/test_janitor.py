@@ -143,3 +143,13 @@ def test_a_zombie_engine_is_not_alive():
     finally:
         eng.wait()
     assert rundir.pid_alive(os.getpid())
+
+
+def test_the_first_mark_of_a_temporary_run_dir_stays_until_the_engine_claims_it(tmp_path):
+    """vLLM's worker processes mark kvcached's run dir first (a vLLM that dies
+    while loading leaves it to the sweep); its scheduler claims it after."""
+    rundir.mark_temporary(tmp_path, 11, replace=False)
+    rundir.mark_temporary(tmp_path, 12, replace=False)  # another rank: the first stays
+    assert (tmp_path / rundir.PID_FILE).read_text() == "11"
+    rundir.mark_temporary(tmp_path)
+    assert rundir.engine_pid(tmp_path) == os.getpid()

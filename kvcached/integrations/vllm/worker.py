@@ -23,7 +23,7 @@ import torch
 
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.memory import kvshare
-from kvcached.memory.rundir import create_run_dir
+from kvcached.memory.rundir import create_run_dir, mark_temporary
 
 # Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
 logger = logging.getLogger("vllm.kvcached")
@@ -57,6 +57,11 @@ class WorkerHalf:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         self.rank = get_tensor_model_parallel_rank()
         self.run_dir, _ = create_run_dir(str(vconfig.run_dir_of(vllm_config)))
+        if not (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("run_dir"):
+            # kvcached named it: temporary from the start, so that a vLLM that
+            # dies before its scheduler starts (which marks it its own) leaves
+            # nothing for good (the next start or `kvcached cleanup` sweeps it)
+            mark_temporary(self.run_dir, replace=False)
         vconfig.cached_groups(kv_cache_config, str(vllm_config.model_config.model))
         self.layers = vconfig.physical_layers(kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
