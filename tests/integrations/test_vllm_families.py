@@ -86,6 +86,19 @@ def test_gemma3_caches_every_group_apart(gemma3):
     assert status["stats"]["storage"]["stored"] == 4 * per_group
 
 
+def test_gemma3_storage_hit_reads_only_the_windows(gemma3):
+    """A sliding-window group's blocks are cached one by one: a storage hit
+    reads every block of the full-attention group but only each window
+    group's last window (64 tokens: two blocks here), not its whole prompt."""
+    loads = status_of(gemma3["second"])["stats"]["transfers"]["load"]["blocks"]
+    full, windows = 0, 0
+    for _, n in SINGLE:
+        stop = (n - 1) // BLOCK
+        full += stop
+        windows += stop - max(0, stop * BLOCK - 64 + 1) // BLOCK
+    assert loads == full + 3 * windows, (loads, full, windows)  # three window groups
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("deepseek")

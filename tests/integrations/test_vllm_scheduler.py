@@ -26,7 +26,7 @@ def half_with(lookup_handle=None, load_handle=None) -> S.SchedulerHalf:
     half = S.SchedulerHalf.__new__(S.SchedulerHalf)  # no vLLM config: only its state
     t = S.Tracked(request=None, creqs=[None])
     if lookup_handle is not None:
-        t.lookup = S.Lookup(((0, 0),), 4, [None], handle=lookup_handle)
+        t.lookup = S.Lookup(("run",), [(None, 0, 4)], handle=lookup_handle)
     if load_handle is not None:
         t.loads.append(S.Load(plan=None, parts=[S.Part(batch=load_handle)]))
     half.reqs = {"r": t}
@@ -115,6 +115,7 @@ def half_saving(lag: int) -> tuple[S.SchedulerHalf, SavingManager]:
                   delayed=True)
     half.reqs = {"r": t}
     half.groups, half.tags = [S.vconfig.Group(0, "full", ("l",))], [b""]
+    half.chains, half.windows = [0], []
     half.saves = collections.deque([S.SavePlan(1, "r", 2, ([10, 11, 12, 13],)),
                                     S.SavePlan(2, "r", 4, ([10, 11, 12, 13],))])
     return half, half.mgr

@@ -10,8 +10,10 @@ next, waits up to ``IDLE_WAIT_S`` for the oldest lookup or load in flight;
 see ``_wait_idle``.)
 
 A model's KV cache groups (a hybrid's sliding-window and full-attention
-layers; see ``group_tags``) are cached apart: each request holds one core
-request per group, and a hit is the prefix every group restores.
+layers; see ``group_tags``) are cached apart: a request holds one core
+request per chained group (full attention, MLA), a sliding-window group's
+blocks are cached one by one, and a hit is the longest prefix the chains
+restore whose windows are all there (``_windowed``).
 
 - ``get_num_new_matched_tokens``: how many tokens past vLLM's own hit the
   CPU tier, then storage, hold (block-aligned; at least one prompt token is
@@ -79,17 +81,17 @@ logger = logging.getLogger("vllm.kvcached")
 
 @dataclass
 class Lookup:
-    """A storage lookup of a request: per KV cache group, blocks ``start..limit-1``
-    (``runs``: (group, start)); in flight until ``found`` is known: the
-    leading blocks every looked-up group can restore (its start on trouble)."""
+    """A storage lookup of a request: ``runs`` of (core request, start, limit),
+    known by ``ident`` (vLLM may ask several times: one lookup per ident); in
+    flight until ``prefixes`` is known: per run, the leading blocks from
+    ``start`` storage holds (none on trouble or past the deadline)."""
 
-    runs: tuple[tuple[int, int], ...]
-    limit: int
-    creqs: list
+    ident: tuple
+    runs: list[tuple[object, int, int]]
     handle: TaskHandle | None = None  # None until the step's lookups go out together
     index: int = 0  # this lookup's first run in its task
     deadline: float = float("inf")
-    found: int | None = None
+    prefixes: list[int] | None = None
 
 
 # How long a step with nothing scheduled waits for kvcached's work in flight:
@@ -103,13 +105,14 @@ class Tracked:
     """A vLLM request as kvcached knows it."""
 
     request: object  # vllm.v1.request.Request
-    creqs: list  # per KV cache group, the core's request: keys of vLLM's block hashes
+    creqs: list  # per chained group (SchedulerHalf.chains), the core's request
     n_keys: int = 0  # vLLM block hashes made keys so far
     saved: int = 0  # blocks up to which saves were planned
     named: int = 0  # blocks whose vLLM hashes are in SchedulerHalf.names
     hit: tuple[int, int, int] = (0, 0, 0)  # (vLLM's own blocks, CPU tier, storage) at lookup
     split: tuple[int, int] = (0, 0)  # tokens the last load takes from (CPU tier, storage)
-    lookup: Lookup | None = None
+    lookup: Lookup | None = None  # the chained groups'
+    wlookup: Lookup | None = None  # the window groups' blocks
     waiting_since: float | None = None  # asked again while its prefix moves
     loads: list[Load] = field(default_factory=list)  # in flight
     saves: int = 0  # save plans not yet done (planned, or in flight)
@@ -134,6 +137,7 @@ class Part:
 class Load:
     plan: EngineLoad
     parts: list[Part]
+    window: bool = False  # one block of a window group: its request goes once it lands
 
     def done(self) -> bool:
         return all(p.batch is not None and p.batch.done() for p in self.parts)
@@ -166,6 +170,7 @@ class SavePlan:
     blocks: int
     device_ids: tuple[list[int], ...]  # per KV cache group
     attempt: int = 1
+    start: int = 0  # blocks an earlier plan of the request covers
     held: list[int] = field(default_factory=list)  # sliding-window blocks pinned until it runs
 
 
@@ -176,6 +181,7 @@ class Saving:
     save: EngineSave | None
     plans: list[SavePlan]
     src: list[int]
+    windows: list = field(default_factory=list)  # window groups' block requests, let go on landing
 
 
 # A save stops at a block another request is saving or loading (nothing may
@@ -204,6 +210,11 @@ class SchedulerHalf:
         self.run_dir = vconfig.run_dir_of(vllm_config)
         self.groups = vconfig.cached_groups(kv_cache_config, str(vllm_config.model_config.model))
         self.tags = group_tags(self.groups)
+        # Full-attention and MLA groups are chains (a hit needs every block
+        # before it); a sliding-window group's blocks are cached one by one (a
+        # hit needs only the window before it).
+        self.chains = [g.index for g in self.groups if g.kind != "sliding"]
+        self.windows = [g.index for g in self.groups if g.kind == "sliding"]
         # The workers exported their planes before the scheduler starts: their
         # shape says whether K and V share a plane (vLLM's CPU backend) or not.
         desc = kvshare.read_descriptor(self.run_dir, 0)
@@ -276,14 +287,18 @@ class SchedulerHalf:
                 request, self._requests(hashes), n_keys=len(hashes))
         elif len(hashes) > t.n_keys:
             new = list(hashes[t.n_keys:])
-            for tag, creq in zip(self.tags, t.creqs, strict=True):
-                self.mgr.add_engine_hashes(creq, tagged(new, tag))
+            for g, creq in zip(self.chains, t.creqs, strict=True):
+                self.mgr.add_engine_hashes(creq, tagged(new, self.tags[g]))
             t.n_keys = len(hashes)
         return t
 
     def _requests(self, hashes) -> list:
-        """The core's requests of vLLM's block hashes, one per KV cache group."""
-        return [self.mgr.engine_request(tagged(list(hashes), tag)) for tag in self.tags]
+        """The core's requests of vLLM's block hashes, one per chained group."""
+        return [self.mgr.engine_request(tagged(list(hashes), self.tags[g])) for g in self.chains]
+
+    def _block(self, t: Tracked, g: int, p: int):
+        """The core's request of block ``p`` of window group ``g`` alone."""
+        return self.mgr.engine_request([t.request.block_hashes[p] + self.tags[g]])
 
     def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past vLLM's own hit that kvcached can load (asynchronously), or
@@ -308,43 +323,91 @@ class SchedulerHalf:
             if now - t.waiting_since < self.move_wait_s:
                 return None, False
         total = self._restorable(t, n_cpu, limit, now)
+        if total is not None and self.windows and total > local:
+            total = self._windowed(t, local, total, now)
         if total is None:
             return None, False
         t.waiting_since = None
-        t.hit = (local, min(n_cpu), max(0, total - min(n_cpu)))
+        cpu = min(n_cpu, default=total)
+        t.hit = (local, cpu, max(0, total - cpu))
         ext = max(0, total - local) * bs
         return ext, ext > 0
 
+    def _window_start(self, g: int, stop: int) -> int:
+        """The first block window group ``g`` needs to go on after block ``stop``
+        (vLLM's skipped blocks: the tokens a window no longer sees)."""
+        return max(0, stop * self.block_size - self.groups[g].window + 1) // self.block_size
+
+    def _windowed(self, t: Tracked, local: int, stop: int, now: float) -> int | None:
+        """The longest hit up to ``stop`` blocks whose windows every window group
+        restores: the blocks of each window past vLLM's own hit, in the CPU
+        tier or (a lookup of those ``stop``'s window lacks) in storage; None
+        until that lookup answers."""
+        have: dict[tuple[int, int], bool] = {}
+
+        def cpu(gp: tuple[int, int]) -> bool:
+            if gp not in have:
+                have[gp] = self.mgr.engine_cpu_prefix(self._block(t, *gp), 1)[0] == 1
+            return have[gp]
+
+        need = [(g, p) for g in self.windows
+                for p in range(max(local, self._window_start(g, stop)), stop)]
+        missing = [gp for gp in need if not cpu(gp)]
+        if missing and self.mgr.storage_lookup_wanted(local, stop):  # worth it for the hit
+            ident = ("windows", stop, tuple(missing))
+            prefixes = self._looked_up(t, "wlookup", ident, lambda: [
+                (self._block(t, g, p), 0, 1) for g, p in missing], now)
+            if prefixes is None:
+                return None
+            have.update((gp, True) for gp, n in zip(missing, prefixes, strict=True) if n)
+        for s in range(stop, local, -1):  # the CPU tier may hold a shorter hit's windows
+            if all(cpu((g, p)) for g in self.windows
+                   for p in range(max(local, self._window_start(g, s)), s)):
+                return s
+        return local
+
     def _restorable(self, t: Tracked, n_cpu: list[int], limit: int, now: float) -> int | None:
-        """How many leading blocks every group can restore, from the CPU tier
-        (``n_cpu``, per group) and storage; None until storage's lookup answers.
-        One lookup per (runs, limit): vLLM may ask several times."""
+        """How many leading blocks every chained group can restore, from the CPU
+        tier (``n_cpu``, per group) and storage; None until storage's lookup
+        answers."""
         wanted = self.mgr.storage_lookup_wanted
-        runs = tuple((g, n) for g, n in enumerate(n_cpu) if n < limit and wanted(n, limit))
-        cap = min([limit] + [n for g, n in enumerate(n_cpu) if (g, n) not in runs])
+        runs = tuple((i, n) for i, n in enumerate(n_cpu) if n < limit and wanted(n, limit))
+        cap = min([limit] + [n for i, n in enumerate(n_cpu) if (i, n) not in runs])
         if not runs:
             return cap
-        lk = t.lookup
-        if lk is None or (lk.runs, lk.limit) != (runs, limit):
-            t.lookup = Lookup(runs, limit, [t.creqs[g] for g, _ in runs])
-            self.lookups.append(t.lookup)  # submitted with the step's others
+        prefixes = self._looked_up(t, "lookup", (runs, limit), lambda: [
+            (t.creqs[i], n, limit) for i, n in runs], now)
+        if prefixes is None:
             return None
-        if lk.found is None:
-            starts = min(n for _, n in runs)
+        return min([cap] + [n + found for (_, n), found in zip(runs, prefixes, strict=True)])
+
+    def _looked_up(self, t: Tracked, attr: str, ident: tuple, runs, now: float
+                   ) -> list[int] | None:
+        """The answer of the request's lookup ``attr`` (per run, the blocks
+        storage holds), asking it first if it is not the one asked (``runs()``
+        makes its runs); None until storage answers. A lookup not answered by
+        its deadline, or failed, found nothing."""
+        lk = getattr(t, attr)
+        if lk is None or lk.ident != ident:
+            lk = Lookup(ident, runs())
+            setattr(t, attr, lk)
+            self.lookups.append(lk)  # submitted with the step's others
+            return None
+        if lk.prefixes is None:
             if lk.handle is None:
                 return None
             if lk.handle.done():
                 r = lk.handle.result
-                lk.found = min(n + int(r.result["prefixes"][lk.index + i])
-                               for i, (_, n) in enumerate(runs)) if r.ok else starts
+                lk.prefixes = [int(n) for n in r.result["prefixes"][
+                    lk.index:lk.index + len(lk.runs)]] if r.ok else [0] * len(lk.runs)
                 if not r.ok:
                     self.mgr.count_storage("lookup_failed")
             elif now >= lk.deadline:
-                lk.found = starts  # storage is slow: computing beats waiting
+                lk.prefixes = [0] * len(lk.runs)  # storage is slow: computing beats waiting
                 self.mgr.count_storage("lookup_timed_out")
             else:
                 return None
-        return min(cap, lk.found)
+        return lk.prefixes
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: pin the prefix, plan the load."""
@@ -356,23 +419,24 @@ class SchedulerHalf:
             local = t.hit[0]
             stop = local + num_external_tokens // bs
             self._renew(t)
+            ids = blocks.get_block_ids()
             cpu = storage = num_external_tokens
-            for creq, ids in zip(t.creqs, blocks.get_block_ids(), strict=True):
-                # a sliding window's blocks before the window are vLLM's null
-                # block: nothing is copied into them (storage brings them to
-                # the CPU tier only, so the chain stays whole)
-                plan = self.mgr.engine_load(creq, self._first_copied(ids, local, stop), stop,
-                                            list(ids))
-                load = Load(plan, [Part() for _ in plan.tasks])
-                t.loads.append(load)  # in flight from here: submitted with this step's meta
-                self.planned_loads.append((t, load))
+            for g, creq in zip(self.chains, t.creqs, strict=True):
+                plan = self._load(t, creq, local, list(ids[g]), stop)
                 end = min(plan.n_cpu + len(plan.nodes), stop)
                 cpu = min(cpu, max(0, min(plan.n_cpu, stop) - local) * bs)
                 storage = min(storage, max(0, end - local) * bs)
-            storage -= cpu
+            for g in self.windows:
+                # the window's blocks only: vLLM's null block stands for the
+                # ones before it, and nothing is copied there
+                for p in range(self._first_copied(ids[g], local, stop), stop):
+                    plan = self._load(t, self._block(t, g, p), 0, [ids[g][p]], 1, window=True)
+                    if not self.chains and plan.n_cpu < 1:
+                        cpu = 0  # window groups alone: storage's if any block is
+            storage -= min(cpu, storage)
             self._name(t, stop)  # blocks storage brings into the CPU tier
             self.loading[request.request_id] = t
-            t.lookup = None
+            t.lookup = t.wlookup = None
         t.split = (cpu, num_external_tokens - cpu)
         for tier, tokens in zip(observe.TIERS, t.split, strict=True):
             self.stats.count(f"hit_tokens_{tier}", tokens)
@@ -380,6 +444,16 @@ class SchedulerHalf:
         if not t.counted:
             t.counted = True
             self.mgr.count_engine_request(request.num_tokens, own, cpu, storage)
+
+    def _load(self, t: Tracked, creq, start: int, ids: list[int], stop: int,
+              window: bool = False) -> EngineLoad:
+        """Plan copying blocks ``start..stop-1`` of ``creq`` into ``ids``: in
+        flight from here, submitted with this step's metadata."""
+        plan = self.mgr.engine_load(creq, start, stop, ids)
+        load = Load(plan, [Part() for _ in plan.tasks], window=window)
+        t.loads.append(load)
+        self.planned_loads.append((t, load))
+        return plan
 
     def _first_copied(self, ids: list[int], local: int, stop: int) -> int:
         """The first of blocks ``local..stop-1`` a load copies into: past the
@@ -477,11 +551,11 @@ class SchedulerHalf:
         Such a step instead waits, the GIL released, up to ``IDLE_WAIT_S``
         for the oldest lookup or load in flight; the next step sees it land."""
         for t in self.reqs.values():
-            lk = t.lookup
-            if lk is not None and lk.found is None and lk.handle is not None \
-                    and not lk.handle.done():
-                lk.handle.wait(IDLE_WAIT_S)
-                return
+            for lk in (t.lookup, t.wlookup):
+                if lk is not None and lk.prefixes is None and lk.handle is not None \
+                        and not lk.handle.done():
+                    lk.handle.wait(IDLE_WAIT_S)
+                    return
         for t in self.loading.values():
             for load in t.loads:
                 for part in load.parts:
@@ -554,18 +628,22 @@ class SchedulerHalf:
     # ------------------------------------------------------------------ saves
     def _run_saves(self) -> None:
         """Submit the saves that are due, as one task."""
-        due, batch = [], []
+        due, batch, windows = [], [], []
         while self.saves and self.saves[0].step + self.lag <= self.step:
             due.append(self.saves.popleft())
         for plan in due:
             t = self.reqs[plan.rid]
             self.track(t.request)
             blocks = min(plan.blocks, t.n_keys)
-            for g, (creq, ids) in enumerate(zip(t.creqs, plan.device_ids, strict=True)):
-                if self.groups[g].kind == "sliding":
-                    batch.append((creq, self._savable(creq, ids, blocks), ids))
-                else:
-                    batch.append((creq, blocks, ids))
+            for g, creq in zip(self.chains, t.creqs, strict=True):
+                batch.append((creq, blocks, plan.device_ids[g]))
+            for g in self.windows:
+                # each block of its own (a block vLLM dropped from the window
+                # before this plan, its null block, was saved by an earlier one)
+                for p in range(plan.start, blocks):
+                    if plan.device_ids[g][p] != self.null_id:
+                        windows.append(self._block(t, g, p))
+                        batch.append((windows[-1], 1, [plan.device_ids[g][p]]))
             self._name(t, blocks)
         if due:
             save = self.mgr.engine_save(batch)
@@ -573,18 +651,7 @@ class SchedulerHalf:
             self._pin(src)
             for plan in due:
                 self._unpin(plan.held)
-            self.saving.append(Saving(save, due, src))
-
-    def _savable(self, creq, ids: list[int], blocks: int) -> int:
-        """How many of a sliding-window group's first ``blocks`` blocks a save may
-        cover: up to the first that vLLM dropped from the window (its null
-        block) and the CPU tier lacks. A block is only cached under its
-        parent: the rest of this request's blocks of the group stay uncached."""
-        null = self.null_id
-        if null not in ids[:blocks]:
-            return blocks
-        n_cpu = self.mgr.engine_cpu_prefix(creq, blocks)[0]
-        return next((i for i in range(n_cpu, blocks) if ids[i] == null), blocks)
+            self.saving.append(Saving(save, due, src, windows))
 
     def _poll_saves(self) -> None:
         still = []
@@ -597,6 +664,8 @@ class SchedulerHalf:
                 if s.save.done() and s.save.handle.result.ok:
                     self.stats.count("saved_blocks", len(s.src))
                     self.stats.count("saved_bytes", len(s.src) * self.block_bytes)
+            for creq in s.windows:  # their blocks stay cached, unpinned
+                self.mgr.engine_release(creq)
             self._unpin(s.src)
             for plan in s.plans:
                 t = self.reqs[plan.rid]
@@ -613,7 +682,7 @@ class SchedulerHalf:
         blocks = min(plan.blocks, t.n_keys)
         if any(self.mgr.engine_cpu_prefix(c, blocks)[0] < blocks for c in t.creqs):
             self.saves.append(SavePlan(self.step, plan.rid, plan.blocks, plan.device_ids,
-                                       plan.attempt + 1))
+                                       plan.attempt + 1, start=plan.start))
             t.saves += 1
 
     def _save_done(self, t: Tracked) -> None:
@@ -644,7 +713,8 @@ class SchedulerHalf:
                 held = [i for g, group in zip(ids, self.groups, strict=True)
                         if group.kind == "sliding" for i in g[t.saved:blocks] if i != self.null_id]
                 self._pin(held)
-                self.saves.append(SavePlan(self.step, rid, blocks, ids, held=held))
+                self.saves.append(SavePlan(self.step, rid, blocks, ids, held=held,
+                                           start=t.saved))
                 t.saves += 1
                 t.saved = blocks
 
@@ -658,13 +728,12 @@ class SchedulerHalf:
         runs = []
         for lk in batch:
             lk.index = len(runs)
-            runs += [(creq, start, lk.limit) for creq, (_, start) in
-                     zip(lk.creqs, lk.runs, strict=True)]
+            runs += lk.runs
         handle = self.mgr.engine_storage_lookups(runs)
         deadline = time.monotonic() + self.lookup_timeout_s
         for lk in batch:
             if handle is None:
-                lk.found = min(n for _, n in lk.runs)  # storage went unusable since
+                lk.prefixes = [0] * len(lk.runs)  # storage went unusable since
             lk.handle, lk.deadline = handle, deadline
 
     # ------------------------------------------------------------------ loads
@@ -711,6 +780,8 @@ class SchedulerHalf:
             now = time.monotonic()
             for load in t.loads:
                 lost = self.mgr.engine_finish_load(load.plan, load.results())
+                if load.window:
+                    self.mgr.engine_release(load.plan.creq)
                 t.failed |= bool(lost)
                 bad.update(lost)
                 self.stats.count("load_failed_blocks", len(lost))
