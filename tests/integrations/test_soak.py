@@ -44,6 +44,6 @@ def test_soak_short_sigint(vllm_model, tmp_path):
     assert run["storage"]["max_bytes"] > 0
     assert run["left"] == {"processes": [], "shm": [], "run_dir": []}
     # what the soak watched: the server, its engine core, a transfer worker, the janitor
-    seen = {p.split(":")[0] for p in run["processes_seen"]}
+    seen = {p.rsplit(":", 1)[0] for p in run["processes_seen"]}
     assert {"api_server", "engine_core", "transfer_worker_r0", "janitor"} <= seen, seen
     assert run["segments_seen"], "no kvcached shared-memory segment was seen"
