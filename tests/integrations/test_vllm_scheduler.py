@@ -74,6 +74,29 @@ def test_the_wait_is_bounded_and_nothing_in_flight_returns_at_once(monkeypatch):
     assert time.monotonic() - t0 < 10.0
 
 
+def test_a_load_with_nothing_to_copy_reports_its_blocks_lost():
+    """A block that left the CPU tier (and storage) between the lookup and
+    vLLM's allocation is planned as missing, with no task: the load finishes
+    at once and vLLM recomputes the block (the soak's churn found this)."""
+    from kvcached.core.manager import EngineLoad
+
+    class Manager:
+        def engine_finish_load(self, plan, results):
+            assert results == []
+            return list(plan.missing)
+
+        def engine_release(self, creq):
+            pass
+    half = half_with()
+    half.mgr, half.stats = Manager(), S.observe.KvcachedStats()
+    t = half.reqs["r"]
+    t.request = type("Request", (), {"request_id": "r"})()
+    t.loads.append(S.Load(EngineLoad(None, 0, 1, [7], 0, missing=[7]), [], window=True))
+    half.loading = {"r": t}
+    assert half._poll_loads(with_failed=True) == ({"r"}, {7})
+    assert t.failed and not t.loads and not half.loading
+
+
 class SavingManager:
     """The manager calls a close drains saves through, recorded."""
 

@@ -785,7 +785,8 @@ class SchedulerHalf:
                 t.failed |= bool(lost)
                 bad.update(lost)
                 self.stats.count("load_failed_blocks", len(lost))
-                self.stats.load_took(now - min(p.submitted for p in load.parts))
+                if load.parts:  # none when nothing could be planned (all missing)
+                    self.stats.load_took(now - min(p.submitted for p in load.parts))
             t.loads.clear()
             del self.loading[rid]
             done.add(rid)  # a finished request's blocks are freed by this too
