@@ -341,8 +341,8 @@ class SchedulerHalf:
     def _windowed(self, t: Tracked, local: int, stop: int, now: float) -> int | None:
         """The longest hit up to ``stop`` blocks whose windows every window group
         restores: the blocks of each window past vLLM's own hit, in the CPU
-        tier or (a lookup of those ``stop``'s window lacks) in storage; None
-        until that lookup answers."""
+        tier or in storage (one lookup of the blocks of ``stop``'s windows the
+        CPU tier lacks); None until that lookup answers."""
         have: dict[tuple[int, int], bool] = {}
 
         def cpu(gp: tuple[int, int]) -> bool:
