@@ -323,7 +323,7 @@ class MooncakeServers:
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start_master(self, timeout: float = 15.0) -> None:
+    def start_master(self, timeout: float = 60.0) -> None:
         """Start the master and wait until its RPC port accepts connections."""
         log = open(self.workdir / f"master-{time.monotonic_ns()}.log", "w")
         self.master = subprocess.Popen(
@@ -338,18 +338,24 @@ class MooncakeServers:
         if self.master.poll() is not None:
             raise RuntimeError(f"mooncake_master exited with {self.master.returncode}")
 
-    def start_node(self, timeout: float = 15.0) -> None:
+    def start_node(self, timeout: float = 60.0) -> None:
         """Start the storage node that contributes the memory segment."""
         port = free_port()
-        log = open(self.workdir / f"node-{port}.log", "w")
+        log_path = self.workdir / f"node-{port}.log"
+        log = open(log_path, "w")
         self.node = subprocess.Popen(
             [mooncake_binary("mooncake_client"), "--host=127.0.0.1", f"--port={port}",
              f"--master_server_address={self.url}", "--metadata_server=P2PHANDSHAKE",
              f"--global_segment_size={self.segment}", "--protocol=tcp", "--logtostderr"],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent)
         log.close()
-        wait_until(lambda: self.node.poll() is not None or port_open(port), timeout,
-                   "mooncake_client storage node")
+        # A full suite's machine has started one in 16 s: the deadline is an
+        # upper bound, the port opening ends the wait
+        try:
+            wait_until(lambda: self.node.poll() is not None or port_open(port), timeout,
+                       "mooncake_client storage node")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; its log ends:\n{log_path.read_text()[-2000:]}") from None
         if self.node.poll() is not None:
             raise RuntimeError(f"mooncake_client exited with {self.node.returncode}")
 
