@@ -10,7 +10,8 @@ PyTorch's DataLoader and vLLM's own workers do.
     client:  ForkServer().run(argv, env, timeout) -> subprocess.CompletedProcess
 
 The server answers a connection with the child's pid, then its exit status;
-it exits when its stdin closes (the test session ended).
+it exits when its stdin closes (the test session ended, or was killed),
+removing the directory of its socket.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def serve(path: str) -> None:
         for key, _ in sel.select(timeout=0.05):
             if key.fileobj is sys.stdin:
                 if not sys.stdin.buffer.read1(1):
-                    return  # the test session is gone
+                    # the test session is gone (also when it was killed, and
+                    # its close never ran): its directory goes with us
+                    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                    return
                 continue
             conn, _ = listener.accept()
             req = json.loads(_read_all(conn))
