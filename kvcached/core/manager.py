@@ -621,6 +621,14 @@ class CacheManager:
             self._engine_reqs[id(creq)] = creq  # until engine_release (update_weights)
             return creq
 
+    def engine_probe(self, engine_hashes: list[bytes]):
+        """A request of engine block hashes only to look with (``engine_cpu_prefix``,
+        ``engine_storage_lookups``): never loaded or saved, so not kept for
+        ``update_weights`` and never released."""
+        self._check_external()
+        with self._lock:
+            return self.core.request_hashes(self._ns, engine_hashes)
+
     def engine_keys(self, engine_hashes: list[bytes]) -> list[bytes]:
         """kvcached's keys of engine block hashes: the hashes its KV events name."""
         ns = self._ns

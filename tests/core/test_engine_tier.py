@@ -327,3 +327,19 @@ def test_one_lookup_task_answers_every_request_of_a_step(engine, tmp_path):
     assert handle.wait(30) and handle.result.ok, handle.result
     assert handle.result.result["prefixes"] == [3, 0, 4]
 
+
+
+def test_a_probe_is_looked_with_and_never_kept(tmp_path):
+    """A request made only to look with (a window block's CPU-tier check, a
+    lookup's keys) answers as an engine request does, and the manager keeps
+    no reference to it: a connector that drops it leaks nothing. An engine
+    request is kept until it is released (update_weights marks it)."""
+    import sys
+    mgr = manager(tmp_path, "probe", storage_backend="none")
+    hashes = engine_hashes("probe", 3)
+    probe, held = mgr.engine_probe(hashes), mgr.engine_request(hashes)
+    assert probe.hashes(0, 3) == held.hashes(0, 3)
+    # the manager's one reference, counted by the interpreter's own count
+    assert sys.getrefcount(held) == sys.getrefcount(probe) + 1
+    mgr.engine_release(held)
+    assert sys.getrefcount(held) == sys.getrefcount(probe)

@@ -296,9 +296,11 @@ class SchedulerHalf:
         """The core's requests of vLLM's block hashes, one per chained group."""
         return [self.mgr.engine_request(tagged(list(hashes), self.tags[g])) for g in self.chains]
 
-    def _block(self, t: Tracked, g: int, p: int):
-        """The core's request of block ``p`` of window group ``g`` alone."""
-        return self.mgr.engine_request([t.request.block_hashes[p] + self.tags[g]])
+    def _block(self, t: Tracked, g: int, p: int, probe: bool = False):
+        """The core's request of block ``p`` of window group ``g`` alone (a probe:
+        only to look with, nothing to release)."""
+        make = self.mgr.engine_probe if probe else self.mgr.engine_request
+        return make([t.request.block_hashes[p] + self.tags[g]])
 
     def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past vLLM's own hit that kvcached can load (asynchronously), or
@@ -347,7 +349,8 @@ class SchedulerHalf:
 
         def cpu(gp: tuple[int, int]) -> bool:
             if gp not in have:
-                have[gp] = self.mgr.engine_cpu_prefix(self._block(t, *gp), 1)[0] == 1
+                have[gp] = self.mgr.engine_cpu_prefix(self._block(t, *gp, probe=True),
+                                                      1)[0] == 1
             return have[gp]
 
         need = [(g, p) for g in self.windows
@@ -356,7 +359,7 @@ class SchedulerHalf:
         if missing and self.mgr.storage_lookup_wanted(local, stop):  # worth it for the hit
             ident = ("windows", stop, tuple(missing))
             prefixes = self._looked_up(t, "wlookup", ident, lambda: [
-                (self._block(t, g, p), 0, 1) for g, p in missing], now)
+                (self._block(t, g, p, probe=True), 0, 1) for g, p in missing], now)
             if prefixes is None:
                 return None
             have.update((gp, True) for gp, n in zip(missing, prefixes, strict=True) if n)
