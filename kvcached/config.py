@@ -158,8 +158,6 @@ class CacheConfig:
                   "worker_timeout_s", "engine_timeout_s", "task_timeout_s",
                   "storage_load_timeout_s", "storage_lookup_timeout_s",
                   "worker_stable_s")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.heartbeat_interval_s >= self.worker_timeout_s:
             raise ValueError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be smaller than "

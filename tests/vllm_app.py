@@ -38,7 +38,9 @@ def make_model(path: str, layers: int = 2, hidden: int = 128, family: str = "lla
     """A small model with random weights (nothing downloaded); reused if present.
     ``family``: ``llama`` (full attention), ``gemma3`` (sliding-window layers
     of 64 tokens and a full-attention one, vLLM's hybrid KV cache manager),
-    ``deepseek_v2`` (MLA: one 576-wide latent per token and layer)."""
+    ``deepseek_v2`` (MLA: one 576-wide latent per token and layer),
+    ``qwen3_next`` (gated delta-net layers and a full-attention one every
+    fourth layer: Mamba-like states; vLLM's CPU kernel for them is bfloat16)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -68,6 +70,16 @@ def make_model(path: str, layers: int = 2, hidden: int = 128, family: str = "lla
                                   first_k_dense_replace=1, topk_group=1, n_group=1,
                                   initializer_range=0.2)
         model = tf.DeepseekV2ForCausalLM(cfg)
+    elif family == "qwen3_next":
+        cfg = tf.Qwen3NextConfig(**common, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=64, linear_num_value_heads=2, linear_num_key_heads=1,
+                                 linear_key_head_dim=128, linear_value_head_dim=128,
+                                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=hidden // 2,
+                                 shared_expert_intermediate_size=hidden // 2,
+                                 full_attention_interval=4, initializer_range=0.2,
+                                 tie_word_embeddings=False)
+        model = tf.Qwen3NextForCausalLM(cfg)
     else:
         raise ValueError(f"unknown model family {family!r}")
     model.to(torch.bfloat16).save_pretrained(path)
@@ -249,6 +261,8 @@ def main(spec: dict) -> dict:
              if k in spec}
     if "max_num_batched_tokens" in spec:
         sched["enable_chunked_prefill"] = True
+    if "mamba_cache_mode" in spec:  # a Mamba hybrid's states kept at chunk ends
+        kw["mamba_cache_mode"] = spec["mamba_cache_mode"]
     events = None
     if spec.get("kv_events"):  # vLLM publishes its KV events (and kvcached's) here
         replay = f"ipc://{spec['kv_events']}-replay"

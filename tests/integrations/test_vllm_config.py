@@ -137,16 +137,54 @@ def test_mla_loads_nothing_where_vllm_cannot_prefill_on_a_cached_prefix(tmp_path
     assert vconfig.loads_unsupported(ec, full) is None  # attention prefills on any prefix
 
 
+def mamba_spec(mode="align", page=FULL.page_size_bytes, **kw) -> MambaSpec:
+    """A gated delta-net layer's state, its page padded to the attention page
+    (as vLLM pads it)."""
+    return MambaSpec(block_size=32, shapes=((3, 64), (2, 16, 16)),
+                     dtypes=(torch.bfloat16, torch.float32), page_size_padded=page,
+                     mamba_cache_mode=mode, **kw)
+
+
+def test_a_mamba_hybrid_caches_its_states_in_the_attention_pages(tmp_path):
+    """Qwen3-Next's shape: three gated delta-net groups and a full-attention
+    one, all over the same pages: one page region, named by the attention
+    layer (its tensor is the pages; a Mamba layer's is a list of states)."""
+    groups = [KVCacheGroupSpec([f"m{g}"], mamba_spec()) for g in range(3)]
+    groups.append(KVCacheGroupSpec(["attn"], FULL))
+    kv = kv_config(groups)
+    assert [g.kind for g in vconfig.cached_groups(kv)] == ["mamba"] * 3 + ["full"]
+    assert vconfig.physical_layers(kv) == ["attn"]
+    cfg = vconfig.cache_config(engine_config(tmp_path), kv, True)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (1, 2, 64)
+    assert cfg.layout.block_bytes == FULL.page_size_bytes
+
+
+def test_mamba_groups_kvcached_cannot_cache_are_refused_with_the_fix(tmp_path):
+    def refused(groups, match):
+        with pytest.raises(ValueError, match=match):
+            vconfig.cache_config(engine_config(tmp_path), kv_config(groups), True)
+    attn = KVCacheGroupSpec(["attn"], FULL)
+    refused([KVCacheGroupSpec(["m"], mamba_spec("all")), attn],
+            r"mamba_cache_mode \"align\" \(--mamba-cache-mode align.*it is 'all'")
+    refused([KVCacheGroupSpec(["m"], mamba_spec(num_speculative_blocks=1)), attn],
+            "speculative decoding")
+    refused([KVCacheGroupSpec(["m"], mamba_spec(page=FULL.page_size_bytes * 2)), attn],
+            r"group 0 \(MambaSpec\) has \(32, 32768\), the attention layers \(32, 16384\)")
+    refused([KVCacheGroupSpec(["m"], mamba_spec())], "has only Mamba layers")
+
+
 def test_unsupported_models_are_refused_with_the_reason(tmp_path):
-    mamba = MambaSpec(block_size=32, shapes=((4, 64), (2, 16, 16)),
-                      dtypes=(torch.bfloat16, torch.bfloat16))
-    with pytest.raises(ValueError, match=r"org/model has MambaSpec \(groups: "
-                                         r"\['FullAttentionSpec', 'MambaSpec'\]\)"):
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+    local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                      dtype=torch.bfloat16, attention_chunk_size=128)
+    with pytest.raises(ValueError, match=r"org/model has ChunkedLocalAttentionSpec \(groups: "
+                                         r"\['FullAttentionSpec', 'ChunkedLocalAttentionSpec'\]\)"):
         vconfig.cache_config(engine_config(tmp_path), kv_config(
-            [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["b"], mamba)]), True)
+            [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["b"], local)]), True)
     other = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16,
                               sliding_window=128)
-    with pytest.raises(ValueError, match="share one page layout.*group 1 has \\(32, 4, 64"):
+    with pytest.raises(ValueError, match=r"share one page layout.*group 1 \(SlidingWindowSpec\) "
+                                         r"has \(32, 32768\)"):
         vconfig.cache_config(engine_config(tmp_path), kv_config(
             [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["b"], other)]), True)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):

@@ -8,6 +8,11 @@ with vLLM's hybrid KV cache manager on (kvcached declares ``SupportsHMA``):
   never saves); outputs are identical to vLLM without a connector.
 - Gemma 3 with every prompt chunked and so few blocks that vLLM preempts:
   outputs stay identical, the CPU tier serves.
+- Qwen3-Next (three gated delta-net layers and a full-attention one: Mamba
+  groups whose blocks are recurrent states, kept by vLLM where a chunk of
+  the prompt ended). The CPU tier and storage serve every hit vLLM's own
+  cache serves, by restoring the state the hit ends at; a new process
+  (whose memory never held those states) gets outputs identical to vLLM's.
 - DeepSeek-V2 (MLA: one 576-wide latent per token and layer). vLLM's CPU
   MLA backend cannot prefill on top of a cached prefix (vLLM turns its own
   prefix caching off for it), so kvcached saves its KV and serves no hit
@@ -145,3 +150,54 @@ def test_gemma3_chunked_and_preempted_outputs_stay_identical(gemma3, tmp_path):
     assert next(s["preemptions"] for s in served["steps"] if s["step"] == ["preemptions"]) > 0
     assert status_of(served)["stats"]["hit_tokens"]["cpu"] >= 0.5 * sum(
         n - 1 for _, n, *_ in CHUNKED_PROMPTS["g"])
+
+
+# Qwen3-Next: vLLM aligns the attention block (544 tokens here) so that its
+# page holds one gated delta-net state. The prompts end a few tokens past a
+# block: a state restored wrong changes the next tokens (over a long suffix
+# the random model's decay would hide it).
+QWEN_BLOCK = 544
+QWEN_PROMPTS = {"p": [[1, 1633], [2, 1090], [3, 1092]]}
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> dict:
+    """vLLM without a connector; kvcached with every prompt chunked (a cold
+    pass, vLLM's cache reset, a pass the CPU tier serves); a new process on
+    the same storage (a kv_consumer, prompts whole)."""
+    base = tmp_path_factory.mktemp("qwen3_next")
+    spec = {"model": str(base / "model"), "model_shape": [4, 128, "qwen3_next"],
+            "dtype": "bfloat16", "mamba_cache_mode": "align", "prompts": QWEN_PROMPTS}
+    plain = run_app({**spec, "extra": None,
+                     "steps": [["generate", "p"], ["generate", "p"]]})
+    extra = {"num_cpu_blocks": 64, "storage_backend": "file", "storage_url": str(base / "kv")}
+    first = run_app({**spec, "extra": {**extra, "run_dir": str(base / "run1")},
+                     "max_num_batched_tokens": 600,
+                     "steps": [["generate", "p"], ["reset"], ["generate", "p"], ["status"]]})
+    second = run_app({**spec, "extra": {**extra, "run_dir": str(base / "run2")},
+                      "role": "kv_consumer",
+                      "steps": [["generate", "p"], ["status"]]})
+    return {"plain": plain, "first": first, "second": second}
+
+
+def test_qwen3_next_states_restore_every_hit_vllm_serves(qwen3_next):
+    cold_plain, hit_plain = generated(qwen3_next["plain"])
+    own_hit = sum(hit_plain["cached"])
+    assert own_hit == sum((n - 1) // QWEN_BLOCK * QWEN_BLOCK for _, n, *_ in QWEN_PROMPTS["p"])
+    assert hit_plain["outputs"] == cold_plain["outputs"]
+    cold, warm = generated(qwen3_next["first"])
+    restarted = generated(qwen3_next["second"])[0]
+    for run in (cold, warm, restarted):
+        assert run["outputs"] == cold_plain["outputs"]
+    assert sum(warm["cached"]) >= 0.9 * own_hit, warm["cached"]
+    assert sum(restarted["cached"]) >= 0.9 * own_hit, restarted["cached"]
+    assert status_of(qwen3_next["first"])["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
+
+
+def test_qwen3_next_storage_hit_reads_one_state_per_group(qwen3_next):
+    """A hit of s blocks reads s blocks of the full-attention group and, of
+    each of the three gated delta-net groups, the state after block s only."""
+    stats = status_of(qwen3_next["second"])["stats"]
+    hits = [n // QWEN_BLOCK for run in generated(qwen3_next["second"]) for n in run["cached"]]
+    assert stats["hit_tokens"]["storage"] == QWEN_BLOCK * sum(hits)
+    assert stats["transfers"]["load"]["blocks"] == sum(hits) + 3 * len(hits)

@@ -189,3 +189,49 @@ def test_blocks_only_saves_hold_are_pending_frees():
         half._unpin(s.src)
     half.saving = []
     assert not half.pending_block_frees() and a.ref_cnt == b.ref_cnt == 0
+
+
+def test_mamba_states_are_saved_where_vllm_hands_them_over():
+    """vLLM names each Mamba state it keeps: (group, engine block, tokens). One
+    at a block boundary is saved as its group's block tokens / block_size - 1,
+    its engine block pinned from the plan (vLLM frees a state's block as the
+    request moves on) until the save runs or the request is preempted; one
+    inside a block, vLLM's null block, another group's and an untracked
+    request's are not saved."""
+    from types import SimpleNamespace
+    half = half_with_pool(8)
+    half.block_size, half.null_id, half.saves_on, half.step = 16, 0, True, 3
+    half.groups = [S.vconfig.Group(0, "full", ("a",)), S.vconfig.Group(1, "mamba", ("m",))]
+    half.chains, half.windows, half.states = [], [], [1]
+    half.saves, half.stats = collections.deque(), S.observe.KvcachedStats()
+
+    class Request:
+        request_id, block_hashes = "r", [b"a", b"b", b"c"]
+    half.reqs = {"r": S.Tracked(request=Request(), creqs=[], n_keys=3)}
+    t = half.reqs["r"]
+    a, b = half.block_pool.get_new_blocks(2)
+    handed = {"r": [(1, a.block_id, 32), (1, b.block_id, 40), (1, 0, 16), (0, b.block_id, 48),
+                    (1, b.block_id, 64)],  # past the request's hashed blocks
+              "untracked": [(1, b.block_id, 16)]}
+    out = SimpleNamespace(
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=handed),
+        num_scheduled_tokens={}, scheduled_spec_decode_tokens=None, scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+    half._plan_saves(out)
+    (plan,) = half.saves
+    assert plan.states == [(1, 1, a.block_id)] and plan.blocks == 0 and t.saves == 1
+    assert (a.ref_cnt, b.ref_cnt) == (2, 1)  # pinned: vLLM's reference and the plan's
+    half._preempted("r")
+    assert not half.saves and t.saves == 0 and (a.ref_cnt, b.ref_cnt) == (1, 1)
+
+
+def test_a_hit_ends_where_every_mamba_group_has_its_state():
+    """A Mamba group restores a hit of s blocks from its state after block
+    s - 1 alone; a window group from the window before s."""
+    half = S.SchedulerHalf.__new__(S.SchedulerHalf)
+    half.block_size = 16
+    half.groups = [S.vconfig.Group(0, "mamba", ("m",)),
+                   S.vconfig.Group(1, "sliding", ("s",), window=32)]
+    assert list(half._needs(0, 5, 2)) == [4]
+    assert list(half._needs(0, 2, 2)) == []  # vLLM's own hit holds it
+    assert list(half._needs(1, 5, 2)) == [3, 4]

@@ -267,9 +267,9 @@ def test_launch_needs_a_run_dir(tmp_path):
 
 def test_launch_rejects_a_bad_config(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("block_size = 3\n")
+    cfg.write_text("block_size = 0\n")
     res = run("launch", "--config", cfg, "--run-dir", tmp_path)
-    assert res.exit_code == 1 and "block_size must be a power of two" in res.output
+    assert res.exit_code == 1 and "block_size must be > 0, got 0" in res.output
 
 
 def test_build_cuda_calls_the_builder(monkeypatch):

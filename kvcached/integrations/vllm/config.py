@@ -42,9 +42,11 @@ def run_dir_of(vllm_config) -> Path:
 
 
 # The KV cache group kinds kvcached caches, by vLLM's spec class: a block of
-# each is keyed by (vLLM's block hash, group) and restored whole.
+# each is keyed by (vLLM's block hash, group) and restored whole. A Mamba
+# group's block is a recurrent state (Mamba-2, gated delta-net), kept by vLLM
+# where a chunk of the prompt ended ("align" mode).
 CACHED_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding",
-                "MLAAttentionSpec": "mla"}
+                "MLAAttentionSpec": "mla", "MambaSpec": "mamba"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Group:
     """One of vLLM's KV cache groups as kvcached caches it."""
 
     index: int
-    kind: str  # "full", "sliding" or "mla"
+    kind: str  # "full", "sliding", "mla" or "mamba"
     layer_names: tuple[str, ...]
     window: int | None = None  # tokens, for a sliding-window group
 
@@ -61,29 +63,30 @@ def cached_groups(kv_cache_config, model: str = "this model") -> list[Group]:
     """The model's KV cache groups, or ValueError naming what kvcached cannot
     cache. Every group's blocks live in the same pages (vLLM overlays the
     groups: a block id belongs to one group at a time), so the groups must
-    agree on the page: block size, KV heads, head size and dtype."""
+    agree on the page: block size and bytes."""
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     unknown = sorted({k for k in kinds if k not in CACHED_KINDS})
     if unknown:
         raise ValueError(
-            f"kvcached caches full-attention, sliding-window and MLA KV cache groups; {model} "
-            f"has {', '.join(unknown)} (groups: {kinds}). Serve it without "
+            f"kvcached caches full-attention, sliding-window, MLA and Mamba KV cache groups; "
+            f"{model} has {', '.join(unknown)} (groups: {kinds}). Serve it without "
             f"--kv-transfer-config, or with a connector that supports these layers")
     if "MLAAttentionSpec" in kinds and len(groups) > 1:
         raise ValueError(f"kvcached caches an MLA model whose layers form one KV cache group; "
                          f"{model} has {len(groups)}: {kinds}")
-    first = groups[0].kv_cache_spec
-    for g in groups:
+    _check_mamba(groups, kinds, model)
+    first = _attention_spec(kv_cache_config, model)
+    for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
-        if page != (first.block_size, first.num_kv_heads, first.head_size, first.dtype):
+        page = (spec.block_size, spec.page_size_bytes)
+        if page != (first.block_size, first.page_size_bytes):
             raise ValueError(
                 f"kvcached needs every KV cache group of {model} to share one page layout "
-                f"(block size, KV heads, head size, dtype); group {groups.index(g)} has {page}, "
-                f"group 0 ({first.block_size}, {first.num_kv_heads}, {first.head_size}, "
-                f"{first.dtype})")
-        if kinds[0] != "MLAAttentionSpec" and spec.head_size_v != spec.head_size:
+                f"(block size, bytes per page); group {i} ({kinds[i]}) has {page}, the "
+                f"attention layers ({first.block_size}, {first.page_size_bytes})")
+        if kinds[i] in ("FullAttentionSpec", "SlidingWindowSpec") \
+                and spec.head_size_v != spec.head_size:
             raise ValueError(f"kvcached caches K and V of one head size; {model}'s are "
                              f"{spec.head_size} and {spec.head_size_v}")
     hash_block = getattr(kv_cache_config, "hash_block_size", None)
@@ -97,18 +100,56 @@ def cached_groups(kv_cache_config, model: str = "this model") -> list[Group]:
             for i, (g, k) in enumerate(zip(groups, kinds, strict=True))]
 
 
+def _check_mamba(groups, kinds: list[str], model: str) -> None:
+    """A Mamba group is cached in vLLM's "align" mode only: there vLLM keeps a
+    state at the block boundaries where a chunk of the prompt ended, and hands
+    each one to the connector; in the other modes no state has a block of its
+    own to save or to restore into."""
+    for g, k in zip(groups, kinds, strict=True):
+        if k != "MambaSpec":
+            continue
+        mode = getattr(g.kv_cache_spec, "mamba_cache_mode", None)
+        if mode != "align":
+            raise ValueError(
+                f"kvcached caches {model}'s Mamba layers with vLLM's mamba_cache_mode "
+                f"\"align\" (--mamba-cache-mode align, and prefix caching on); it is {mode!r}")
+        if getattr(g.kv_cache_spec, "num_speculative_blocks", 0):
+            raise ValueError(f"kvcached does not cache {model}'s Mamba layers with "
+                             "speculative decoding (their state blocks move as drafts are "
+                             "accepted); serve it without --kv-transfer-config or without it")
+
+
+def _attention_spec(kv_cache_config, model: str):
+    """The spec of the model's first attention group: its page (KV heads, head
+    size, dtype) is kvcached's layout; vLLM pads every other group's page to it."""
+    for g in kv_cache_config.kv_cache_groups:
+        if type(g.kv_cache_spec).__name__ != "MambaSpec":
+            return g.kv_cache_spec
+    raise ValueError(f"kvcached caches models with attention layers; {model} has only "
+                     "Mamba layers")
+
+
 def physical_layers(kv_cache_config) -> list[str]:
     """One layer name per distinct page region, in vLLM's order: the layers of
     different groups that vLLM lays over the same bytes count once (copying a
-    block copies whichever group owns it). A model of one group has one per
-    layer."""
+    block copies whichever group owns it). A region is named by an attention
+    layer where one uses it (its tensor is the region's pages; a Mamba layer's
+    is a list of states). A model of one group has one per layer."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) == 1:
         return list(groups[0].layer_names)
+    mamba = {name for g in groups if type(g.kv_cache_spec).__name__ == "MambaSpec"
+             for name in g.layer_names}
     seen: dict[tuple[int, int], str] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         for i, name in enumerate(tensor.layers):
-            seen.setdefault((tensor.offset + i * tensor.layer_stride, tensor.block_stride), name)
+            key = (tensor.offset + i * tensor.layer_stride, tensor.block_stride)
+            if key not in seen or (seen[key] in mamba and name not in mamba):
+                seen[key] = name
+    lone = [name for name in seen.values() if name in mamba]
+    if lone:
+        raise ValueError(f"kvcached needs an attention layer over every page region; "
+                         f"{lone[0]}'s region has Mamba layers only")
     return list(seen.values())
 
 
@@ -116,7 +157,7 @@ def derived_settings(vllm_config, kv_cache_config, fused_kv: bool) -> dict[str, 
     """The CacheConfig fields vLLM decides."""
     model = str(vllm_config.model_config.model)
     groups = cached_groups(kv_cache_config, model)
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    spec = _attention_spec(kv_cache_config, model)
     dtype = DTYPES.get(str(spec.dtype))
     if dtype is None:
         raise ValueError(f"kvcached caches bfloat16, float16 or float32 KV; vLLM's KV cache "

@@ -9,11 +9,12 @@ kvcached. (A step with nothing scheduled, which vLLM follows at once with the
 next, waits up to ``IDLE_WAIT_S`` for the oldest lookup or load in flight;
 see ``_wait_idle``.)
 
-A model's KV cache groups (a hybrid's sliding-window and full-attention
-layers; see ``group_tags``) are cached apart: a request holds one core
-request per chained group (full attention, MLA), a sliding-window group's
-blocks are cached one by one, and a hit is the longest prefix the chains
-restore whose windows are all there (``_windowed``).
+A model's KV cache groups (a hybrid's sliding-window, Mamba and
+full-attention layers; see ``group_tags``) are cached apart: a request holds
+one core request per chained group (full attention, MLA), a sliding-window
+group's blocks and a Mamba group's states are cached one by one, and a hit
+is the longest prefix the chains restore whose windows and states are all
+there (``_blockwise``).
 
 - ``get_num_new_matched_tokens``: how many tokens past vLLM's own hit the
   CPU tier, then storage, hold (block-aligned; at least one prompt token is
@@ -171,7 +172,8 @@ class SavePlan:
     device_ids: tuple[list[int], ...]  # per KV cache group
     attempt: int = 1
     start: int = 0  # blocks an earlier plan of the request covers
-    held: list[int] = field(default_factory=list)  # sliding-window blocks pinned until it runs
+    held: list[int] = field(default_factory=list)  # blockwise groups' blocks pinned until it runs
+    states: list[tuple[int, int, int]] = field(default_factory=list)  # Mamba (group, block, id)
 
 
 @dataclass
@@ -212,9 +214,13 @@ class SchedulerHalf:
         self.tags = group_tags(self.groups)
         # Full-attention and MLA groups are chains (a hit needs every block
         # before it); a sliding-window group's blocks are cached one by one (a
-        # hit needs only the window before it).
-        self.chains = [g.index for g in self.groups if g.kind != "sliding"]
+        # hit needs only the window before it), and so are a Mamba group's
+        # states (a hit at block s needs the state after it, which vLLM keeps
+        # where a chunk ended and hands over: ``_plan_states``).
+        self.chains = [g.index for g in self.groups if g.kind in ("full", "mla")]
         self.windows = [g.index for g in self.groups if g.kind == "sliding"]
+        self.states = [g.index for g in self.groups if g.kind == "mamba"]
+        self.blockwise = self.windows + self.states
         # The workers exported their planes before the scheduler starts: their
         # shape says whether K and V share a plane (vLLM's CPU backend) or not.
         desc = kvshare.read_descriptor(self.run_dir, 0)
@@ -325,8 +331,8 @@ class SchedulerHalf:
             if now - t.waiting_since < self.move_wait_s:
                 return None, False
         total = self._restorable(t, n_cpu, limit, now)
-        if total is not None and self.windows and total > local:
-            total = self._windowed(t, local, total, now)
+        if total is not None and self.blockwise and total > local:
+            total = self._blockwise(t, local, total, now)
         if total is None:
             return None, False
         t.waiting_since = None
@@ -340,32 +346,40 @@ class SchedulerHalf:
         (vLLM's skipped blocks: the tokens a window no longer sees)."""
         return max(0, stop * self.block_size - self.groups[g].window + 1) // self.block_size
 
-    def _windowed(self, t: Tracked, local: int, stop: int, now: float) -> int | None:
-        """The longest hit up to ``stop`` blocks whose windows every window group
-        restores: the blocks of each window past vLLM's own hit, in the CPU
-        tier or in storage (one lookup of the blocks of ``stop``'s windows the
-        CPU tier lacks); None until that lookup answers."""
+    def _needs(self, g: int, s: int, local: int) -> range:
+        """The blocks of blockwise group ``g`` a hit of ``s`` blocks restores past
+        vLLM's own ``local``: a window's, or a Mamba group's state after block
+        ``s - 1`` (the one vLLM resumes from)."""
+        if self.groups[g].kind == "mamba":
+            return range(s - 1, s) if s > local else range(0)
+        return range(max(local, self._window_start(g, s)), s)
+
+    def _blockwise(self, t: Tracked, local: int, stop: int, now: float) -> int | None:
+        """The longest hit up to ``stop`` blocks whose windows and states every
+        blockwise group restores, from the CPU tier or storage: one lookup of
+        what the CPU tier lacks of ``stop``'s windows and of every state past
+        vLLM's own hit (a shorter hit may end at a state where a longer one has
+        none); None until that lookup answers."""
         have: dict[tuple[int, int], bool] = {}
 
-        def cpu(gp: tuple[int, int]) -> bool:
+        def present(gp: tuple[int, int]) -> bool:
             if gp not in have:
                 have[gp] = self.mgr.engine_cpu_prefix(self._block(t, *gp, probe=True),
                                                       1)[0] == 1
             return have[gp]
 
-        need = [(g, p) for g in self.windows
-                for p in range(max(local, self._window_start(g, stop)), stop)]
-        missing = [gp for gp in need if not cpu(gp)]
+        need = [(g, p) for g in self.windows for p in self._needs(g, stop, local)]
+        need += [(g, p) for g in self.states for p in range(local, stop)]
+        missing = [gp for gp in need if not present(gp)]
         if missing and self.mgr.storage_lookup_wanted(local, stop):  # worth it for the hit
-            ident = ("windows", stop, tuple(missing))
+            ident = ("blockwise", stop, tuple(missing))
             prefixes = self._looked_up(t, "wlookup", ident, lambda: [
                 (self._block(t, g, p, probe=True), 0, 1) for g, p in missing], now)
             if prefixes is None:
                 return None
             have.update((gp, True) for gp, n in zip(missing, prefixes, strict=True) if n)
-        for s in range(stop, local, -1):  # the CPU tier may hold a shorter hit's windows
-            if all(cpu((g, p)) for g in self.windows
-                   for p in range(max(local, self._window_start(g, s)), s)):
+        for s in range(stop, local, -1):  # the CPU tier may hold a shorter hit's
+            if all(present((g, p)) for g in self.blockwise for p in self._needs(g, s, local)):
                 return s
         return local
 
@@ -429,13 +443,14 @@ class SchedulerHalf:
                 end = min(plan.n_cpu + len(plan.nodes), stop)
                 cpu = min(cpu, max(0, min(plan.n_cpu, stop) - local) * bs)
                 storage = min(storage, max(0, end - local) * bs)
-            for g in self.windows:
-                # the window's blocks only: vLLM's null block stands for the
-                # ones before it, and nothing is copied there
+            for g in self.blockwise:
+                # the window's blocks, or the state vLLM resumes from, only:
+                # vLLM's null block stands for the ones before, and nothing
+                # is copied there
                 for p in range(self._first_copied(ids[g], local, stop), stop):
                     plan = self._load(t, self._block(t, g, p), 0, [ids[g][p]], 1, window=True)
                     if not self.chains and plan.n_cpu < 1:
-                        cpu = 0  # window groups alone: storage's if any block is
+                        cpu = 0  # blockwise groups alone: storage's if any block is
             storage -= min(cpu, storage)
             self._name(t, stop)  # blocks storage brings into the CPU tier
             self.loading[request.request_id] = t
@@ -639,7 +654,11 @@ class SchedulerHalf:
             self.track(t.request)
             blocks = min(plan.blocks, t.n_keys)
             for g, creq in zip(self.chains, t.creqs, strict=True):
-                batch.append((creq, blocks, plan.device_ids[g]))
+                if plan.blocks:  # none: a plan of Mamba states alone
+                    batch.append((creq, blocks, plan.device_ids[g]))
+            for g, p, block_id in plan.states:
+                windows.append(self._block(t, g, p))
+                batch.append((windows[-1], 1, [block_id]))
             for g in self.windows:
                 # each block of its own (a block vLLM dropped from the window
                 # before this plan, its null block, was saved by an earlier one)
@@ -696,9 +715,11 @@ class SchedulerHalf:
         self._release_if_done(t)
 
     def _plan_saves(self, scheduler_output) -> None:
-        """The full blocks this step's forward computes, to copy ``lag`` steps on."""
+        """The full blocks this step's forward computes, and the Mamba states it
+        leaves, to copy ``lag`` steps on."""
         if not self.saves_on:
             return
+        states = self._plan_states(scheduler_output)
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -715,11 +736,39 @@ class SchedulerHalf:
                 # moves on, before this save runs: they stay pinned until then
                 held = [i for g, group in zip(ids, self.groups, strict=True)
                         if group.kind == "sliding" for i in g[t.saved:blocks] if i != self.null_id]
-                self._pin(held)
-                self.saves.append(SavePlan(self.step, rid, blocks, ids, held=held,
-                                           start=t.saved))
-                t.saves += 1
+                self._add_plan(t, SavePlan(self.step, rid, blocks, ids, held=held, start=t.saved,
+                                           states=states.pop(rid, [])))
                 t.saved = blocks
+        for rid, found in states.items():  # a request not computing this step
+            self._add_plan(self.reqs[rid], SavePlan(self.step, rid, 0, (), states=found))
+
+    def _add_plan(self, t: Tracked, plan: SavePlan) -> None:
+        plan.held += [block_id for _, _, block_id in plan.states]
+        self._pin(plan.held)
+        self.saves.append(plan)
+        t.saves += 1
+
+    def _plan_states(self, scheduler_output) -> dict[str, list[tuple[int, int, int]]]:
+        """The Mamba states vLLM hands over this step, by request: (group, block,
+        engine block id) of each state at a block boundary (the state after
+        that block's last token; one inside a block is never a hit's). vLLM
+        names the exact block each lives in: a Mamba group's block table is no
+        guide, as vLLM moves and frees its states while the request runs."""
+        handed = getattr(scheduler_output, "kv_connector_block_state", None)
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        if handed is None or not self.states:
+            return out
+        bs = self.block_size
+        for rid, entries in (handed.boundary_state_offloads or {}).items():
+            t = self.reqs.get(rid)
+            if t is None:
+                continue
+            for g, block_id, tokens in entries:
+                if g in self.states and tokens % bs == 0 \
+                        and 0 < tokens // bs <= len(t.request.block_hashes) \
+                        and block_id != self.null_id:
+                    out.setdefault(rid, []).append((g, tokens // bs - 1, block_id))
+        return out
 
     # ---------------------------------------------------------------- lookups
     def _submit_lookups(self) -> None:
