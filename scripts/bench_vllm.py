@@ -46,12 +46,16 @@ computes on all cores but one in every mode, the connector's own processes
 (kvcached's transfer workers, LMCache's server) share the other with vLLM's.
 
     python scripts/bench_vllm.py [--quick] [--lmcache-python PY] [--hit-chat-only]
-                                 [--busy-only] [--storage-only] [--family gemma3]
+                                 [--busy-only] [--storage-only]
+                                 [--family gemma3|qwen3_next]
 
 ``--family gemma3`` runs phase 1 on a random Gemma 3 of the same shape (its
 layers sliding-window of 512 tokens but every sixth, vLLM's hybrid KV cache
-manager on): ``cpu_hit_vs_own_hit`` (target <= 1.15) and
-``storage_hit_vs_own_hit`` (target <= 1.5), JSON ``{"bench": "vllm_family"}``.
+manager on), ``--family qwen3_next`` on a random Qwen3-Next (gated delta-net
+layers but every third, full attention; bfloat16, vLLM's CPU kernel for them
+has no other; vLLM aligns the block so that a page holds a state):
+``cpu_hit_vs_own_hit`` (target <= 1.15) and ``storage_hit_vs_own_hit``
+(target <= 1.5), JSON ``{"bench": "vllm_family"}``.
 
 ``--quick`` is a smoke run of the script (a tiny model; no ExampleConnector;
 the scheduler phase in the kvcached process; vLLM's engine in one process).
@@ -108,8 +112,10 @@ QUICK = dict(layers=2, hidden=128, hit_prompts=2, hit_len=600, hit_rounds=2,
 
 # ------------------------------------------------------------------ child
 def make_model(path: str, layers: int, hidden: int, family: str = "llama") -> str:
-    """A random-weight model: ``llama``, or ``gemma3`` (the same shape, its
-    layers sliding-window of 512 tokens but every sixth, full: Gemma 3's 5:1)."""
+    """A random-weight model: ``llama``, ``gemma3`` (the same shape, its layers
+    sliding-window of 512 tokens but every sixth, full: Gemma 3's 5:1) or
+    ``qwen3_next`` (the same shape, its layers gated delta-net but every third,
+    full; small linear heads keep a state near a block of KV)."""
     if not os.path.exists(os.path.join(path, "config.json")):
         import torch
         import transformers as tf
@@ -124,6 +130,13 @@ def make_model(path: str, layers: int, hidden: int, family: str = "llama") -> st
             model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
                 **shape, head_dim=64, sliding_window=512, layer_types=kinds,
                 tie_word_embeddings=False))  # tied, a random Gemma 3 repeats one token
+        elif family == "qwen3_next":
+            model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+                **shape, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
+                linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=hidden,
+                shared_expert_intermediate_size=hidden, full_attention_interval=min(3, layers),
+                tie_word_embeddings=False))
         else:
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape))
         model.to(torch.bfloat16).save_pretrained(path)
@@ -146,8 +159,11 @@ class Server:
         kw = {}
         if spec["connector"]:
             kw["kv_transfer_config"] = spec["connector"]
+        dtype = "float32"
+        if spec["params"].get("family") == "qwen3_next":  # gated delta-net: bfloat16 only
+            dtype, kw["mamba_cache_mode"] = "bfloat16", "align"
         self.llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=BS,
-                       enforce_eager=True, dtype="float32", max_model_len=4096,
+                       enforce_eager=True, dtype=dtype, max_model_len=4096,
                        kv_cache_memory_bytes=spec["kv_mb"] << 20, disable_log_stats=True,
                        max_num_seqs=spec.get("max_num_seqs", 8), **kw)
         self.n = 0
@@ -308,7 +324,8 @@ def busy(srv: Server, p: dict, run_dir: str) -> dict:
 def child(spec: dict) -> dict:
     p = spec["params"]
     srv = Server(spec)
-    out = {}
+    # vLLM's, which it may have aligned (a Mamba hybrid's page holds a state)
+    out = {"block_size": srv.llm.llm_engine.vllm_config.cache_config.block_size}
     for phase in spec["phases"]:
         log(f"{spec['name']}: {phase}")
         if phase == "no_reuse":
@@ -509,9 +526,10 @@ def family_hits(family: str, model: str, p: dict, work: Path, cpu_blocks: int,
     rs = run_mode("restart", model, p, kvcached_connector(work / "run2", store, cpu_blocks),
                   ["restart_hit"])
     assert rs["restart_hit"]["outputs"] == kv["per_hit"]["outputs"], "outputs differ"
-    full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
+    bs = kv["block_size"]
+    full = p["hit_len"] - 1 - (p["hit_len"] - 1) % bs
     pairs = hit_pairs(kv)
-    return {"bench": "vllm_family", "family": family, "quick": quick,
+    return {"bench": "vllm_family", "family": family, "quick": quick, "block_size": bs,
             "cpu_hit_vs_own_hit": statistics.median(pairs),
             "cpu_hit_vs_own_hit_spread": {"pairs": len(pairs), "min": min(pairs),
                                           "max": max(pairs)},
@@ -610,16 +628,17 @@ def main() -> None:
                     help="only the storage hits in a new process (after one that fills it)")
     ap.add_argument("--hit-chat-only", action="store_true",
                     help="only the per-hit and multi-turn chat phases")
-    ap.add_argument("--family", choices=["llama", "gemma3"], default="llama",
-                    help="the model family: with gemma3 (sliding-window layers, vLLM's hybrid "
-                         "KV cache manager) only the per-hit and storage-hit phases run")
+    ap.add_argument("--family", choices=["llama", "gemma3", "qwen3_next"], default="llama",
+                    help="the model family: with gemma3 (sliding-window layers) or qwen3_next "
+                         "(gated delta-net layers), both under vLLM's hybrid KV cache manager, "
+                         "only the per-hit and storage-hit phases run")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         spec = json.loads(args.child)
         Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
-    p = QUICK if args.quick else FULL
+    p = {**(QUICK if args.quick else FULL), "family": args.family}
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:
         work = Path(tmp)
         model = make_model(str(work / "model"), p["layers"], p["hidden"], args.family)
