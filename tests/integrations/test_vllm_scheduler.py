@@ -235,3 +235,30 @@ def test_a_hit_ends_where_every_mamba_group_has_its_state():
     assert list(half._needs(0, 5, 2)) == [4]
     assert list(half._needs(0, 2, 2)) == []  # vLLM's own hit holds it
     assert list(half._needs(1, 5, 2)) == [3, 4]
+
+
+def test_a_request_asked_again_while_its_lookup_is_out_is_answered_at_once():
+    """vLLM asks every step for each waiting request: one whose storage lookup
+    is still out gets None again without the manager being asked anything;
+    once the lookup lands (or the request changed) it is looked at anew."""
+    class Consulted(Exception):
+        pass
+
+    class Manager:
+        def engine_cpu_prefix(self, creq, limit):
+            raise Consulted
+    h = handle()
+    half = half_with(lookup_handle=h)
+    half.mgr, half.block_size, half.loads_on = Manager(), 16, True
+    t = half.reqs["r"]
+
+    class Request:
+        request_id, block_hashes, num_tokens = "r", [b"a", b"b", b"c", b"d"], 70
+    t.request, t.n_keys, t.asked = Request(), 4, (0, 70, t.lookup)
+    assert half.matched_tokens(Request(), 0) == (None, False)
+    with pytest.raises(Consulted):
+        half.matched_tokens(Request(), 16)  # vLLM's own hit grew: a new question
+    t.asked = (0, 70, t.lookup)
+    h.complete(TaskResult(task_id=0, ok=True, result={"prefixes": [2]}))
+    with pytest.raises(Consulted):
+        half.matched_tokens(Request(), 0)

@@ -94,6 +94,11 @@ class Lookup:
     deadline: float = float("inf")
     prefixes: list[int] | None = None
 
+    def answered(self, now: float) -> bool:
+        """Whether the answer is known, or can be read (landed, or past its deadline)."""
+        return self.prefixes is not None or (
+            self.handle is not None and (self.handle.done() or now >= self.deadline))
+
 
 # How long a step with nothing scheduled waits for kvcached's work in flight:
 # a lookup or a small load lands within it; a new request waits at most this
@@ -115,6 +120,7 @@ class Tracked:
     lookup: Lookup | None = None  # the chained groups'
     wlookup: Lookup | None = None  # the window groups' blocks
     waiting_since: float | None = None  # asked again while its prefix moves
+    asked: tuple | None = None  # (vLLM's hit, tokens, lookup): an ask answered None for it
     loads: list[Load] = field(default_factory=list)  # in flight
     saves: int = 0  # save plans not yet done (planned, or in flight)
     counted: bool = False  # in the hit statistics
@@ -312,6 +318,14 @@ class SchedulerHalf:
         """Tokens past vLLM's own hit that kvcached can load (asynchronously), or
         None while that is not known yet (see the module docstring)."""
         t = self.track(request)
+        now = time.monotonic()
+        # vLLM asks every step for each request it could schedule: one whose
+        # lookup is still out gets its answer again at once (a burst of new
+        # requests waits a step or two for theirs, asked each step)
+        if t.asked is not None and t.asked[:2] == (num_computed_tokens, request.num_tokens) \
+                and not t.asked[2].answered(now):
+            return None, False
+        t.asked = None
         bs = self.block_size
         limit = min((request.num_tokens - 1) // bs, t.n_keys)  # one token left to compute
         local = num_computed_tokens // bs
@@ -320,7 +334,6 @@ class SchedulerHalf:
             return 0, False  # after a failed load: no second try, no livelock
         if t.saves:  # preempted while its saves copy: its blocks are about to be cached
             return None, False
-        now = time.monotonic()
         n_cpu, moving = [], False
         for creq in t.creqs:
             n, m = self.mgr.engine_cpu_prefix(creq, limit)
@@ -334,6 +347,8 @@ class SchedulerHalf:
         if total is not None and self.blockwise and total > local:
             total = self._blockwise(t, local, total, now)
         if total is None:
+            lk = t.lookup if t.lookup is not None and t.lookup.prefixes is None else t.wlookup
+            t.asked = (num_computed_tokens, request.num_tokens, lk)
             return None, False
         t.waiting_since = None
         cpu = min(n_cpu, default=total)
