@@ -42,25 +42,35 @@ until the deadline. Checks (``checks`` in the JSON line, all must be true):
   process group as a shell's Ctrl-C, SIGTERM to the server alone as
   Kubernetes or systemd; ``both``: a second run, on the same storage, stopped
   with SIGTERM) no process of the run, no ``/dev/shm/kvcached-*`` segment of
-  it and no run dir is left, polled until ``--leftover-deadline-s``.
+  it and no run dir is left, polled until ``--leftover-deadline-s``;
+  ``SIGKILL`` (or ``all``: a third run) kills every process of the run, the
+  janitor too, then runs ``kvcached cleanup``;
+- ``kill_left_something`` (SIGKILL): the killed processes left their CPU
+  tier's segment or their run dir (else the run proves nothing), and
+  ``nothing_left`` then holds after ``kvcached cleanup`` (``cleanup_named``:
+  what it removed; a kvcached starting meanwhile on the machine sweeps them
+  too, and logs it).
 
 Progress on stderr (every ``--progress-s``); the last line on stdout is JSON
 ``{"bench": "soak", "ok": ..., "checks": {...}, ...}`` with the RSS, fd and
 thread samples per process (``--curve N`` of them); exit code 1 if a check
 failed.
 
-    python scripts/soak.py --minutes 20 [--signals SIGINT|SIGTERM|both]
+    python scripts/soak.py --minutes 20 [--signals SIGINT|SIGTERM|SIGKILL|both|all]
     python scripts/soak.py --seconds 20    # the short run of ``make test``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -359,10 +369,13 @@ def soak_run(k: int, sig: str, args, model: str, store: Path, cap: int, pool, re
         srv.stop("SIGKILL")
         raise
     # ---- stop, then look for leftovers
-    group = sig == "SIGINT"
-    out["stop_s"] = srv.stop(sig, group=group, timeout=args.leftover_deadline_s)
-    out["server_rc"] = srv.proc.returncode
     everything = set(names) | set(pids_at_stop)
+    if sig == "SIGKILL":
+        out.update(kill_everything(srv, everything, run_dir, segments,
+                                   args.leftover_deadline_s))
+    else:
+        out["stop_s"] = srv.stop(sig, group=sig == "SIGINT", timeout=args.leftover_deadline_s)
+    out["server_rc"] = srv.proc.returncode
     deadline = time.monotonic() + args.leftover_deadline_s
     t_stop = time.monotonic()
     while True:
@@ -418,11 +431,44 @@ def soak_run(k: int, sig: str, args, model: str, store: Path, cap: int, pool, re
         "storage_within_cap": storage["max_bytes"] <= cap + slack,
         "nothing_left": not (left_pids or left_shm or left_dir),
     }
+    if sig == "SIGKILL":  # the kill left something, and nothing is left after cleanup
+        out["checks"]["kill_left_something"] = out["kill_left_something"]
     bad = [c for c, ok in out["checks"].items() if not ok]
     log(f"run {k} ({sig}): {load.done}/{load.sent} requests in {elapsed:.0f}s, "
         f"{load.verified} verified; stopped in {out['stop_s']:.1f}s, clean in "
         f"{out['cleanup_s']:.1f}s; " + (f"FAILED: {bad}" if bad else "all checks ok"))
     return out
+
+
+def kill_everything(srv, pids: set[int], run_dir: Path | None, segments: set[str],
+                    deadline_s: float) -> dict:
+    """SIGKILL to every process of the run at once, the janitor first (as an
+    OOM killer or a node's power would leave it): nothing of kvcached runs to
+    clean, so what they held stays until ``kvcached cleanup`` (or the next
+    start) removes it, saying what it removed."""
+    t0 = time.monotonic()
+    for pid in sorted(pids, key=lambda p: naming(p) != "janitor"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    srv.stop("SIGKILL")
+    deadline = time.monotonic() + deadline_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = sorted(set(run_segments(run_dir) if run_dir else [])
+                  | {s for s in segments if os.path.exists(os.path.join(SHM, s))})
+    left_dir = run_dir is not None and run_dir.exists()
+    res = subprocess.run([sys.executable, "-m", "kvcached", "cleanup"], capture_output=True,
+                         text=True, timeout=120)
+    # Any kvcached that starts on this machine sweeps a dead engine's leftovers
+    # too: what cleanup did not name, another start removed (and logged) first.
+    named = [s for s in left if f"removed shm segment {os.path.join(SHM, s)}" in res.stdout]
+    named += [str(run_dir)] if left_dir and f"removed run dir {run_dir}" in res.stdout else []
+    log(f"after SIGKILL: {len(left)} segments and {'the' if left_dir else 'no'} run dir left; "
+        f"kvcached cleanup said:\n{res.stdout.strip() or res.stderr.strip()}")
+    return {"stop_s": time.monotonic() - t0, "left_after_kill": {"shm": left,
+                                                                 "run_dir": left_dir},
+            "cleanup_output": res.stdout[-2000:], "cleanup_named": named,
+            "kill_left_something": res.returncode == 0 and bool(left or left_dir)}
 
 
 def thin(samples: list, n: int) -> list:
@@ -438,8 +484,10 @@ def main() -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--minutes", type=float, help="how long the load runs (default 5)")
     g.add_argument("--seconds", type=float, help="the same in seconds")
-    ap.add_argument("--signals", default="SIGINT", choices=["SIGINT", "SIGTERM", "both"],
-                    help="how the server is stopped; both: a second run stopped with SIGTERM")
+    ap.add_argument("--signals", default="SIGINT",
+                    choices=["SIGINT", "SIGTERM", "SIGKILL", "both", "all"],
+                    help="how the server is stopped; both: a second run stopped with SIGTERM; "
+                         "all: a third, every process SIGKILLed, then `kvcached cleanup`")
     ap.add_argument("--second-seconds", type=float,
                     help="how long the second run (--signals both) lasts (default: as the first)")
     ap.add_argument("--model", help="a model dir (made here if it has no config.json)")
@@ -466,7 +514,8 @@ def main() -> int:
     args.seconds = args.seconds or 60 * (args.minutes or 5)
     args.second_seconds = args.second_seconds or args.seconds
     args.sample_s = args.sample_s or max(0.5, min(5.0, args.seconds / 200))
-    signals = ["SIGINT", "SIGTERM"] if args.signals == "both" else [args.signals]
+    signals = {"both": ["SIGINT", "SIGTERM"], "all": ["SIGINT", "SIGTERM", "SIGKILL"]}.get(
+        args.signals, [args.signals])
     pool = prompt_pool(heads=8, head_len=256, n=args.pool, lo=args.suffix[0],
                        hi=max(args.suffix[1], args.suffix[0] + 1))
     pool_blocks = len({(tuple(p[:32 * (b + 1)])) for p in pool
