@@ -16,7 +16,8 @@ server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``), ``["metrics"
 (vLLM's metrics of those names; needs ``log_stats``), ``["events", {medium: n}]`` (vLLM's KV
 events once n blocks were stored in each medium; needs ``kv_events``, a socket path),
 ``["abort_after", name, n]``
-(the set's requests aborted after n engine steps), ``["touch", path]`` /
+(the set's requests aborted after n engine steps), ``["loads"]`` (requests loaded
+inside their step and asynchronously, so far), ``["touch", path]`` /
 ``["wait_file", path]`` (two instances in step), ``["wait_stored", n]`` (n blocks
 written to storage). Prompt sets are token ids made from the spec's ``prompts``:
 ``{name: [[seed, length], ...]}``. vLLM spawns processes: hence the main guard.
@@ -342,6 +343,9 @@ def main(spec: dict) -> dict:
                                  "preemptions": metric(llm, "vllm:num_preemptions")})
         elif step[0] == "status":
             out["steps"].append({"step": step, "status": status(run_dir)})
+        elif step[0] == "loads":  # one process: requests loaded inside their step, or not
+            half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+            out["steps"].append({"step": step, "loads": dict(half.loads)})
         elif step[0] == "kv_events_kept":  # one process: the scheduler half's event state
             half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
             out["steps"].append({"step": step, "kept": {

@@ -7,6 +7,8 @@ Threads and sockets (each socket has exactly one owning thread):
                   lanes, sends Done/Heartbeat, watches for the engine's death
     lane "out"    swap_out, in arrival order            (own PUSH socket)
     lane "in"     swap_in, in arrival order             (own PUSH socket)
+    lane "step"   swap_in_layers (a load inside the engine's step: it never
+                  queues behind the other swap-ins), in order (own PUSH socket)
     lane "load"   lookup / load (storage reads), in order (own PUSH socket)
     lane "store"  store (storage writes), in order      (own PUSH socket)
     lane "ctl"    control operations and noop           (own PUSH socket)
@@ -402,7 +404,7 @@ class Worker(WorkerControl):
         as done there."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
-            while any(self.lanes[n].outstanding for n in ("out", "in")):
+            while any(self.lanes[n].outstanding for n in ("out", "in", "step")):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
