@@ -372,13 +372,17 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
     return out
 
 
+STEP_MAX: int | None = None  # --step-max: step_load_max_blocks of every kvcached mode
+
+
 def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int) -> dict:
+    extra = {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
+             "storage_backend": "file", "storage_url": str(store)}
+    if STEP_MAX is not None:
+        extra["step_load_max_blocks"] = STEP_MAX
     return {"kv_connector": "KvcachedConnector",
             "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
-                                          "storage_backend": "file",
-                                          "storage_url": str(store)}}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def example_connector(path: Path) -> dict:
@@ -628,6 +632,15 @@ def main() -> None:
                     help="only the storage hits in a new process (after one that fills it)")
     ap.add_argument("--hit-chat-only", action="store_true",
                     help="only the per-hit and multi-turn chat phases")
+    ap.add_argument("--hit-only", action="store_true",
+                    help="only kvcached's CPU-tier hits, each beside vLLM's own hit of the "
+                         "same prompt in the same process (cpu_hit_vs_own_hit)")
+    ap.add_argument("--small", action="store_true",
+                    help="a smaller model (6 layers, 512 wide), where a step weighs most")
+    ap.add_argument("--hit-len", type=int, default=None,
+                    help="tokens of the per-hit prompts (default 2,000)")
+    ap.add_argument("--step-max", type=int, default=None,
+                    help="kvcached's step_load_max_blocks (0: every hit loads a step later)")
     ap.add_argument("--family", choices=["llama", "gemma3", "qwen3_next"], default="llama",
                     help="the model family: with gemma3 (sliding-window layers) or qwen3_next "
                          "(gated delta-net layers), both under vLLM's hybrid KV cache manager, "
@@ -639,6 +652,12 @@ def main() -> None:
         Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
     p = {**(QUICK if args.quick else FULL), "family": args.family}
+    if args.small:
+        p["hidden"] = 512
+    if args.hit_len:
+        p["hit_len"] = args.hit_len
+    global STEP_MAX
+    STEP_MAX = args.step_max
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:
         work = Path(tmp)
         model = make_model(str(work / "model"), p["layers"], p["hidden"], args.family)
@@ -651,6 +670,22 @@ def main() -> None:
             print(json.dumps({"bench": "vllm_busy", "scheduler_step_us":
                               res["busy"]["scheduler_step_us"],
                               "running_requests": res["busy"]["requests"]}), flush=True)
+            return
+        if args.hit_only:
+            kv = run_mode("kvcached", model, p, kvcached_connector(work / "run1", store,
+                                                                   cpu_blocks), ["per_hit"])
+            pairs = hit_pairs(kv)
+            full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
+            print(json.dumps({
+                "bench": "vllm_hit", "model": f"random Llama {p['layers']}x{p['hidden']}",
+                "hit_len": p["hit_len"], "step_load_max_blocks": STEP_MAX,
+                "cpu_hit_vs_own_hit": statistics.median(pairs),
+                "cpu_hit_vs_own_hit_spread": {"pairs": len(pairs), "min": min(pairs),
+                                              "max": max(pairs)},
+                "per_hit_ttft_s": {"vllm_own_hit": statistics.median(kv["per_hit"]["own"]),
+                                   "kvcached_cpu": statistics.median(kv["per_hit"]["conn"])},
+                "cpu_hit_blocks_served": min(kv["per_hit"]["conn_cached"]) / full,
+                "load_avg_1m_after": kv["load_avg_1m_after"]}), flush=True)
             return
         if args.family != "llama":
             print(json.dumps(family_hits(args.family, model, p, work, cpu_blocks,

@@ -9,7 +9,8 @@ process per rank); the tests fork it from ``tests/vllm_forkserver.py``.
 Steps: ``["generate", name]`` (greedy outputs and ``num_cached_tokens`` of the
 prompt set ``name``; ``["generate", name, salt]``: every prompt with that
 ``cache_salt``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
-(SIGKILL rank 0's transfer worker; ``restarts`` reports it came back),
+(SIGKILL rank 0's transfer worker; ``restarts`` reports it came back), ``["stop_worker"]``
+(SIGSTOP it: frozen, it is declared lost and replaced),
 ``["ctl", op]`` (``kvcached ctl op``), ``["status"]``, ``["corrupt", dir, n]`` (every
 n-th stored object damaged), ``["signal", pid, name]`` (e.g. freeze a storage
 server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``), ``["metrics", prefix, ...]``
@@ -302,9 +303,9 @@ def main(spec: dict) -> dict:
                 assert time.monotonic() < deadline, "vLLM's prefix cache never became free"
                 idle(llm, spec)
             out["steps"].append({"step": step})
-        elif step[0] == "kill_worker":
+        elif step[0] in ("kill_worker", "stop_worker"):
             pid = int(worker(run_dir)["pid"])
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL if step[0] == "kill_worker" else signal.SIGSTOP)
             out["steps"].append({"step": step, "killed": pid})
         elif step[0] == "wait_worker":
             killed = next(s["killed"] for s in reversed(out["steps"]) if "killed" in s)
