@@ -39,6 +39,7 @@ LAYER_BITS = 19  # layers per task: at most 2**19 - 1
 MAX_LAYERS = (1 << LAYER_BITS) - 1
 TASK_SHIFT = LAYER_BITS + 1
 MAX_TASK_ID = (1 << (64 - TASK_SHIFT)) - 1
+MAX_PAUSE_S = 0.0001  # a reader's longest sleep between looks
 
 
 def progress_path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -138,8 +139,9 @@ class StepProgress:
         """Wait until layers ``0..layers-1`` of ``task_id`` landed, the copy failed
         or can no longer come, or ``time.monotonic()`` passes ``deadline``.
         ``alive(pid)`` says whether a writer pid still runs (default: the OS).
-        Polls, sleeping 20 us, doubling up to 0.5 ms, between looks: the
-        writer needs the cores more than the reader, on a small machine."""
+        Polls, sleeping 20 us, doubling up to ``MAX_PAUSE_S``, between looks:
+        the writer needs the cores more than the reader, on a small machine,
+        and a layer lands at most that long before it is seen."""
         alive = alive or _alive
         pause, checked = 0.00002, 0.0
         while True:
@@ -160,7 +162,7 @@ class StepProgress:
                 if pid and not alive(pid):
                     return Wait("lost", done if task == task_id else 0)
             time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 0.0005)
+            pause = min(pause * 2, MAX_PAUSE_S)
 
     def close(self) -> None:
         self._words.release()
