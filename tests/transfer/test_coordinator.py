@@ -568,6 +568,7 @@ def test_swap_in_layers_copies_layer_by_layer_and_publishes_each(workers_manager
     for plane in planes:
         plane[4:6].zero_()
     h = mgr.transfer.submit(Task("swap_in_layers", [2, 3], [4, 5]))
+    assert mgr.transfer.flush(10)  # on its way (the IO thread took it)
     assert h.wait(10) and h.result.ok, h.result
     assert chan.state() == (h.task.task_id, 3, False)
     assert chan.writer_pid() == mgr.stats().workers[0]["pid"]

@@ -96,6 +96,9 @@ class Lookup:
     prefixes: list[int] | None = None
 
 
+# How long build_connector_meta waits for a load inside the step to be sent.
+STEP_FLUSH_S = 0.002
+
 # How long a step with nothing scheduled waits for kvcached's work in flight:
 # a lookup or a small load lands within it; a new request waits at most this
 # long to be seen.
@@ -857,6 +860,10 @@ class SchedulerHalf:
                     step.blocks = list(merged.dst)
                     pinned += merged.dst
                     self._pin(pinned)
+        if step.task_id >= 0:
+            # vLLM's forward starts next, in this process on one rank, and holds
+            # the GIL: let the coordinator send the task first (microseconds)
+            self.mgr.flush_submitted(STEP_FLUSH_S)
         return step
 
     def _poll_step_loads(self) -> None:
