@@ -188,9 +188,10 @@ def test_tensor_parallel_two_ranks(tmp_path):
     status = res["steps"][-1]["status"]
     assert sorted((w["rank"], w["state"]) for w in status["workers"]) == [(0, "ready"),
                                                                           (1, "ready")]
-    # A task completes only once both ranks did it: loads and saves completed.
+    # A task completes only once both ranks did it: loads (inside the step: each
+    # rank waited for its own layers) and saves completed.
     transfers = status["stats"]["transfers"]
-    assert transfers["swap_in"]["done"] >= 1 and transfers["swap_out"]["done"] >= 1
+    assert transfers["swap_in_layers"]["done"] >= 1 and transfers["swap_out"]["done"] >= 1
     assert status["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
 
 
