@@ -163,7 +163,8 @@ class Server:
         if spec["params"].get("family") == "qwen3_next":  # gated delta-net: bfloat16 only
             dtype, kw["mamba_cache_mode"] = "bfloat16", "align"
         self.llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=BS,
-                       enforce_eager=True, dtype=dtype, max_model_len=4096,
+                       enforce_eager=True, dtype=dtype,
+                       max_model_len=spec["params"].get("max_model_len", 4096),
                        kv_cache_memory_bytes=spec["kv_mb"] << 20, disable_log_stats=True,
                        max_num_seqs=spec.get("max_num_seqs", 8), **kw)
         self.n = 0
@@ -707,7 +708,7 @@ def main() -> None:
                     help="tokens of the per-hit prompts (default 2,000)")
     ap.add_argument("--crossing", action="store_true",
                     help="only where a CPU-tier hit stops paying to load inside the step: "
-                         "hits of 500 to 4,000 tokens arriving at 8 decoding requests, in-step "
+                         "hits of 1,000 to 8,000 tokens arriving at 8 decoding requests, in-step "
                          "and a step later (one vLLM process: the setting is switched live)")
     ap.add_argument("--step-max", type=int, default=None,
                     help="kvcached's step_load_max_blocks (0: every hit loads a step later)")
@@ -743,7 +744,7 @@ def main() -> None:
             return
         if args.crossing:
             res = run_mode("crossing", model, {**p, "one_process": True, "cross_lens": [
-                500, 1000, 2000, 4000] if not args.quick else [200, 500],
+                1000, 2000, 4000, 8000] if not args.quick else [200, 500], "max_model_len": 8192,
                 "cross_rounds": 3 if not args.quick else 1, "cross_decoders": 8,
                 "kv_mb": p["busy_kv_mb"]}, kvcached_connector(work / "run5", work / "store5",
                                                               cpu_blocks),
