@@ -93,7 +93,7 @@ class CacheConfig:
     storage_load_policy: str = "timeout"
     storage_load_timeout_s: float = 1.0
     storage_lookup_timeout_s: float = 0.1
-    step_load_max_blocks: int = 256
+    step_load_max_blocks: int = 128
     step_load_timeout_s: float = 2.0
     storage_min_load_blocks: int = 1
     storage_max_bytes: int = 0
