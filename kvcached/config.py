@@ -93,6 +93,8 @@ class CacheConfig:
     storage_load_policy: str = "timeout"
     storage_load_timeout_s: float = 1.0
     storage_lookup_timeout_s: float = 0.1
+    step_load_max_blocks: int = 128
+    step_load_timeout_s: float = 2.0
     storage_min_load_blocks: int = 1
     storage_max_bytes: int = 0
     storage_write_policy: str = "write_through"
@@ -148,7 +150,7 @@ class CacheConfig:
         _positive(self, "num_layers", "num_kv_heads", "head_dim", "tp_size",
                   "block_size", "num_gpu_blocks", "copy_threads")
         _non_negative(self, "num_cpu_blocks", "max_worker_restarts",
-                      "storage_min_load_blocks", "metrics_port")
+                      "storage_min_load_blocks", "metrics_port", "step_load_max_blocks")
         if self.storage_max_bytes < -1:
             raise ValueError(f"storage_max_bytes must be > 0 (a cap in bytes), 0 (a tenth of "
                              f"the free disk) or -1 (no cap), got {self.storage_max_bytes}")
@@ -157,7 +159,7 @@ class CacheConfig:
         _positive(self, "worker_start_timeout_s", "heartbeat_interval_s",
                   "worker_timeout_s", "engine_timeout_s", "task_timeout_s",
                   "storage_load_timeout_s", "storage_lookup_timeout_s",
-                  "worker_stable_s")
+                  "worker_stable_s", "step_load_timeout_s")
         if self.heartbeat_interval_s >= self.worker_timeout_s:
             raise ValueError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be smaller than "

@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-TASK_KINDS = ("swap_out", "swap_in", "store", "load", "lookup", "control", "noop")
+TASK_KINDS = ("swap_out", "swap_in", "swap_in_layers", "store", "load", "lookup", "control",
+              "noop")
 
 
 @dataclass(slots=True)

@@ -163,7 +163,8 @@ class Server:
         if spec["params"].get("family") == "qwen3_next":  # gated delta-net: bfloat16 only
             dtype, kw["mamba_cache_mode"] = "bfloat16", "align"
         self.llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=BS,
-                       enforce_eager=True, dtype=dtype, max_model_len=4096,
+                       enforce_eager=True, dtype=dtype,
+                       max_model_len=spec["params"].get("max_model_len", 4096),
                        kv_cache_memory_bytes=spec["kv_mb"] << 20, disable_log_stats=True,
                        max_num_seqs=spec.get("max_num_seqs", 8), **kw)
         self.n = 0
@@ -321,6 +322,70 @@ def busy(srv: Server, p: dict, run_dir: str) -> dict:
             "outputs": [r["output"] for r in res]}
 
 
+def busy_hit(srv: Server, hit: list[int], decoders: int, seed: int) -> dict:
+    """``decoders`` requests decoding, then ``hit`` (in the CPU tier) arrives:
+    its TTFT, and the time the decoders' steps took from its arrival to its
+    first token over what their steps took before (what it cost them)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    eng = srv.llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ids = [f"d{seed}-{i}" for i in range(decoders)]
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=tokens(seed * 100 + i, 64)), sp)
+    before = []
+    for _ in range(8):  # prefilled, then decode steps alone
+        t = time.perf_counter()
+        eng.step()
+        before.append(time.perf_counter() - t)
+    t0 = time.perf_counter()
+    eng.add_request(f"h{seed}", TokensPrompt(prompt_token_ids=hit),
+                    SamplingParams(temperature=0, max_tokens=1))
+    steps, ttft = 0, None
+    while ttft is None:
+        steps += 1
+        for out in eng.step():
+            if out.request_id == f"h{seed}" and out.outputs and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+    window = time.perf_counter() - t0
+    eng.abort_request(ids)
+    while eng.has_unfinished_requests():
+        eng.step()
+    base = statistics.median(before[4:])
+    return {"ttft": ttft, "steps": steps, "decoder_extra": max(0.0, window - steps * base),
+            "decode_step": base}
+
+
+def crossing(srv: Server, p: dict) -> dict:
+    """Per hit length: a CPU-tier hit arriving at a batch of decoding requests,
+    loaded inside the step (``step_load_max_blocks`` above it) and a step
+    later (0), taken in turn. Cost = the hit's TTFT + every decoder's extra
+    wait; the crossing point is the shortest hit whose in-step cost exceeds
+    its asynchronous one (None: none measured did)."""
+    half = srv.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    rows, seed = {}, 0
+    for n in p["cross_lens"]:
+        hit = tokens(8000 + n, n)
+        srv.serve([hit], 1)  # computed once: its blocks are saved to the CPU tier
+        got = {"step": [], "async": []}
+        for _ in range(p["cross_rounds"]):
+            for mode, step_max in (("step", 1 << 20), ("async", 0)):
+                srv.reset()
+                half.step_max = step_max
+                seed += 1
+                got[mode].append(busy_hit(srv, hit, p["cross_decoders"], seed))
+        row = {}
+        for mode, runs in got.items():
+            row[mode] = {k: statistics.median(r[k] for r in runs)
+                         for k in ("ttft", "decoder_extra", "decode_step", "steps")}
+            row[mode]["cost"] = statistics.median(
+                r["ttft"] + p["cross_decoders"] * r["decoder_extra"] for r in runs)
+        rows[str(n)] = row
+    over = [int(n) for n, r in rows.items() if r["step"]["cost"] > r["async"]["cost"]]
+    return {"decoders": p["cross_decoders"], "rows": rows,
+            "crossing_tokens": min(over) if over else None}
+
+
 def child(spec: dict) -> dict:
     p = spec["params"]
     srv = Server(spec)
@@ -338,6 +403,8 @@ def child(spec: dict) -> dict:
             out[phase] = fill(srv, p)
         elif phase == "busy":
             out[phase] = busy(srv, p, spec["connector"]["kv_connector_extra_config"]["run_dir"])
+        elif phase == "crossing":
+            out[phase] = crossing(srv, p)
         elif phase == "chat":
             srv.reset()
             out[phase] = chat(srv, p)
@@ -372,13 +439,17 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
     return out
 
 
+STEP_MAX: int | None = None  # --step-max: step_load_max_blocks of every kvcached mode
+
+
 def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int) -> dict:
+    extra = {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
+             "storage_backend": "file", "storage_url": str(store)}
+    if STEP_MAX is not None:
+        extra["step_load_max_blocks"] = STEP_MAX
     return {"kv_connector": "KvcachedConnector",
             "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
-                                          "storage_backend": "file",
-                                          "storage_url": str(store)}}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def example_connector(path: Path) -> dict:
@@ -628,6 +699,19 @@ def main() -> None:
                     help="only the storage hits in a new process (after one that fills it)")
     ap.add_argument("--hit-chat-only", action="store_true",
                     help="only the per-hit and multi-turn chat phases")
+    ap.add_argument("--hit-only", action="store_true",
+                    help="only kvcached's CPU-tier hits, each beside vLLM's own hit of the "
+                         "same prompt in the same process (cpu_hit_vs_own_hit)")
+    ap.add_argument("--small", action="store_true",
+                    help="a smaller model (6 layers, 512 wide), where a step weighs most")
+    ap.add_argument("--hit-len", type=int, default=None,
+                    help="tokens of the per-hit prompts (default 2,000)")
+    ap.add_argument("--crossing", action="store_true",
+                    help="only where a CPU-tier hit stops paying to load inside the step: "
+                         "hits of 1,000 to 8,000 tokens arriving at 8 decoding requests, in-step "
+                         "and a step later (one vLLM process: the setting is switched live)")
+    ap.add_argument("--step-max", type=int, default=None,
+                    help="kvcached's step_load_max_blocks (0: every hit loads a step later)")
     ap.add_argument("--family", choices=["llama", "gemma3", "qwen3_next"], default="llama",
                     help="the model family: with gemma3 (sliding-window layers) or qwen3_next "
                          "(gated delta-net layers), both under vLLM's hybrid KV cache manager, "
@@ -639,6 +723,12 @@ def main() -> None:
         Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
     p = {**(QUICK if args.quick else FULL), "family": args.family}
+    if args.small:
+        p["hidden"] = 512
+    if args.hit_len:
+        p["hit_len"] = args.hit_len
+    global STEP_MAX
+    STEP_MAX = args.step_max
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:
         work = Path(tmp)
         model = make_model(str(work / "model"), p["layers"], p["hidden"], args.family)
@@ -651,6 +741,34 @@ def main() -> None:
             print(json.dumps({"bench": "vllm_busy", "scheduler_step_us":
                               res["busy"]["scheduler_step_us"],
                               "running_requests": res["busy"]["requests"]}), flush=True)
+            return
+        if args.crossing:
+            res = run_mode("crossing", model, {**p, "one_process": True, "cross_lens": [
+                1000, 2000, 4000, 8000] if not args.quick else [200, 500], "max_model_len": 8192,
+                "cross_rounds": 3 if not args.quick else 1, "cross_decoders": 8,
+                "kv_mb": p["busy_kv_mb"]}, kvcached_connector(work / "run5", work / "store5",
+                                                              cpu_blocks),
+                ["crossing"], max_num_seqs=16)
+            print(json.dumps({"bench": "vllm_crossing",
+                              "model": f"random Llama {p['layers']}x{p['hidden']}",
+                              **res["crossing"], "load_avg_1m_after": res["load_avg_1m_after"]}),
+                  flush=True)
+            return
+        if args.hit_only:
+            kv = run_mode("kvcached", model, p, kvcached_connector(work / "run1", store,
+                                                                   cpu_blocks), ["per_hit"])
+            pairs = hit_pairs(kv)
+            full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
+            print(json.dumps({
+                "bench": "vllm_hit", "model": f"random Llama {p['layers']}x{p['hidden']}",
+                "hit_len": p["hit_len"], "step_load_max_blocks": STEP_MAX,
+                "cpu_hit_vs_own_hit": statistics.median(pairs),
+                "cpu_hit_vs_own_hit_spread": {"pairs": len(pairs), "min": min(pairs),
+                                              "max": max(pairs)},
+                "per_hit_ttft_s": {"vllm_own_hit": statistics.median(kv["per_hit"]["own"]),
+                                   "kvcached_cpu": statistics.median(kv["per_hit"]["conn"])},
+                "cpu_hit_blocks_served": min(kv["per_hit"]["conn_cached"]) / full,
+                "load_avg_1m_after": kv["load_avg_1m_after"]}), flush=True)
             return
         if args.family != "llama":
             print(json.dumps(family_hits(args.family, model, p, work, cpu_blocks,

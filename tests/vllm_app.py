@@ -9,14 +9,16 @@ process per rank); the tests fork it from ``tests/vllm_forkserver.py``.
 Steps: ``["generate", name]`` (greedy outputs and ``num_cached_tokens`` of the
 prompt set ``name``; ``["generate", name, salt]``: every prompt with that
 ``cache_salt``), ``["reset"]`` (vLLM's prefix cache), ``["kill_worker"]``
-(SIGKILL rank 0's transfer worker; ``restarts`` reports it came back),
+(SIGKILL rank 0's transfer worker; ``restarts`` reports it came back), ``["stop_worker"]``
+(SIGSTOP it: frozen, it is declared lost and replaced),
 ``["ctl", op]`` (``kvcached ctl op``), ``["status"]``, ``["corrupt", dir, n]`` (every
 n-th stored object damaged), ``["signal", pid, name]`` (e.g. freeze a storage
 server), ``["preemptions"]`` (vLLM's counter; needs ``log_stats``), ``["metrics", prefix, ...]``
 (vLLM's metrics of those names; needs ``log_stats``), ``["events", {medium: n}]`` (vLLM's KV
 events once n blocks were stored in each medium; needs ``kv_events``, a socket path),
 ``["abort_after", name, n]``
-(the set's requests aborted after n engine steps), ``["touch", path]`` /
+(the set's requests aborted after n engine steps), ``["loads"]`` (requests loaded
+inside their step and asynchronously, so far), ``["touch", path]`` /
 ``["wait_file", path]`` (two instances in step), ``["wait_stored", n]`` (n blocks
 written to storage). Prompt sets are token ids made from the spec's ``prompts``:
 ``{name: [[seed, length], ...]}``. vLLM spawns processes: hence the main guard.
@@ -301,9 +303,9 @@ def main(spec: dict) -> dict:
                 assert time.monotonic() < deadline, "vLLM's prefix cache never became free"
                 idle(llm, spec)
             out["steps"].append({"step": step})
-        elif step[0] == "kill_worker":
+        elif step[0] in ("kill_worker", "stop_worker"):
             pid = int(worker(run_dir)["pid"])
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL if step[0] == "kill_worker" else signal.SIGSTOP)
             out["steps"].append({"step": step, "killed": pid})
         elif step[0] == "wait_worker":
             killed = next(s["killed"] for s in reversed(out["steps"]) if "killed" in s)
@@ -342,6 +344,9 @@ def main(spec: dict) -> dict:
                                  "preemptions": metric(llm, "vllm:num_preemptions")})
         elif step[0] == "status":
             out["steps"].append({"step": step, "status": status(run_dir)})
+        elif step[0] == "loads":  # one process: requests loaded inside their step, or not
+            half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+            out["steps"].append({"step": step, "loads": dict(half.loads)})
         elif step[0] == "kv_events_kept":  # one process: the scheduler half's event state
             half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
             out["steps"].append({"step": step, "kept": {

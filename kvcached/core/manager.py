@@ -791,6 +791,12 @@ class CacheManager:
         with self._lock:
             return self.planner.submit(task)
 
+    def flush_submitted(self, timeout_s: float) -> bool:
+        """Wait until the tasks submitted so far are on their way to the ranks
+        (see ``Transfer.flush``); True at once without a transfer."""
+        transfer = self._transfer
+        return transfer.flush(timeout_s) if transfer is not None else True
+
     def _check_external(self) -> None:
         if not self.cfg.external_gpu_tier:
             raise RuntimeError("engine_* calls need external_gpu_tier = true (the engine "

@@ -44,7 +44,7 @@ STAMP_ARG = "kv_event"  # the task argument: [[epoch, generation] per rank]
 # Kinds whose copies read device blocks the model wrote: generation 0 means the
 # engine never recorded after a forward, so nothing orders them.
 READS_MODEL_WRITES = ("swap_out", "store")
-ORDERED_KINDS = ("swap_out", "swap_in", "store", "load")
+ORDERED_KINDS = ("swap_out", "swap_in", "swap_in_layers", "store", "load")
 
 # IPC handle (hex) -> event exported by this process: CUDA cannot open a
 # process's own IPC event handles, so in-process copies use the event itself.
@@ -219,7 +219,7 @@ class EventStamper:
 
     def stamp(self, task) -> None:
         """Add the stamp to ``task.args`` if the task copies to or from the device."""
-        if task.kind in ORDERED_KINDS and (task.kind in ("swap_out", "swap_in")
+        if task.kind in ORDERED_KINDS and (task.kind in ("swap_out", "swap_in", "swap_in_layers")
                                            or task.args.get("device_ids")):
             stamps = self.stamps()
             if stamps is not None:

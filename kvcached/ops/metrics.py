@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "kvcached_"
 # Task kind -> the direction its blocks move.
-DIRECTIONS = {"swap_out": "gpu_to_cpu", "swap_in": "cpu_to_gpu", "store": "cpu_to_storage",
+DIRECTIONS = {"swap_out": "gpu_to_cpu", "swap_in": "cpu_to_gpu",
+              "swap_in_layers": "cpu_to_gpu", "store": "cpu_to_storage",
               "load": "storage_to_cpu"}
 STORAGE_ERROR_WORDS = ("fail", "error", "short", "timeout", "corrupt", "checksum")
 MISSING_EXTRA = ("metrics_port is set but the prometheus-client package is not installed: "

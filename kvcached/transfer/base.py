@@ -39,6 +39,11 @@ class Transfer(ABC):
     def submit(self, task: Task) -> TaskHandle:
         """Start ``task`` on every rank; never blocks on the copy itself."""
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every task submitted so far is on its way to the ranks
+        (True), or ``timeout_s`` passed. Nothing to wait for here."""
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Stop; tasks still in flight fail."""

@@ -249,6 +249,19 @@ class WorkerTransfer(Transfer):
             self._wake()
         return handle
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait, the GIL released, until the IO thread took every task submitted
+        so far off the outbox (sent it), or ``timeout_s`` passed. A caller
+        about to keep the GIL busy (vLLM's forward, right after the step's
+        in-step load was submitted) lets the IO thread send first: it would
+        otherwise get the GIL at the next switch interval (5 ms)."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.00002)
+        return True
+
     def new_handle(self, task: Task) -> TaskHandle:
         task.task_id = next(self._ids)
         return TaskHandle(task, self.completed)

@@ -11,6 +11,13 @@ loads after any kernel that still reads the blocks they overwrite. A task's
 event stamp is checked first; a task that cannot be ordered fails untouched.
 In the exporting process itself (in-process transfers) the event is the
 engine's own object: CUDA does not open a process's own IPC handles.
+
+A ``swap_in_layers`` task (a load inside the engine's step) is copied layer
+by layer, each layer published in the rank's step progress channel
+(``kvcached.memory.progress``) as it lands, so that the engine's forward
+pass reads layer i while the layers after it are still being copied. On
+CUDA it is one copy, published whole once it completed (per-layer events
+are not built yet).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class RankExecutor:
         self._clock = None  # the event's generation clock (kvevent.EventClock)
         self._broken: Exception | None = None  # a fatal error: CUDA is unusable here
         self._cuda = cfg.device == "cuda"  # copies are ordered after the KV event (_ordered)
+        self._progress = None  # the rank's step progress channel (swap_in_layers), if any
+        self._layer_engines = None  # one CPU copy engine per layer, made on first use
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
@@ -62,6 +71,21 @@ class RankExecutor:
             if self.cfg.storage_backend and self.store is None:
                 from kvcached.storage.blockstore import BlockStore
                 self.store = BlockStore.from_config(self.cfg, self.rank)
+        self._open_progress()
+
+    def _open_progress(self) -> None:
+        """The step progress channel the engine made for this rank (vLLM's worker
+        creates it before exporting its planes); none outside vLLM."""
+        from kvcached.memory import progress
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        try:
+            self._progress = progress.StepProgress.open(progress.progress_path(self.run_dir,
+                                                                               self.rank))
+        except (FileNotFoundError, ValueError):
+            return
+        self._progress.attach_writer()
 
     def _make_engine(self):
         offsets = self.cfg.layout.host_offsets
@@ -140,6 +164,49 @@ class RankExecutor:
             return self.engine.swap_in(host_ids, device_ids, **self._ordered(task))
         return self.engine.swap_in(host_ids, device_ids)
 
+    def _swap_in_layers(self, task: Task) -> int:
+        """A swap-in inside the engine's step: layer by layer, each published as it
+        lands; a failure is published too (the engine recomputes the blocks),
+        and a task the engine gave up on stops before its next layer."""
+        prog, tid, layers = self._progress, task.task_id, self.cfg.layout.num_layers
+        done = 0
+        try:
+            if self._cuda:  # one copy, complete when it returns; then every layer
+                nbytes = self._swap_in(task, task.src, task.dst)
+                done = layers
+                if prog is not None:
+                    prog.publish(tid, done)
+                return nbytes
+            nbytes = 0
+            for engine in self._per_layer():
+                if prog is not None and prog.cancelled(tid):
+                    raise RuntimeError(f"rank {self.rank}: the engine gave up on task {tid} "
+                                       f"after {done} of {layers} layers")
+                nbytes += engine.swap_in(task.src, task.dst)
+                done += 1
+                if prog is not None:
+                    prog.publish(tid, done)
+            return nbytes
+        except Exception:
+            if prog is not None:
+                prog.publish(tid, done, failed=True)
+            raise
+
+    def _per_layer(self) -> list:
+        """One CPU copy engine per layer: its planes only (layer by layer, in the
+        layout's order), over the same host pool."""
+        if self._layer_engines is None:
+            from kvcached.copy.cpu import CpuCopyEngine
+            n = self.cfg.layout.num_layers
+            per = len(self.planes) // n
+            assert per * n == len(self.planes), (len(self.planes), n)
+            offsets = self.cfg.layout.host_offsets
+            self._layer_engines = [
+                CpuCopyEngine(self.planes[i * per:(i + 1) * per], self.host.tensor,
+                              offsets[i * per:(i + 1) * per], threads=self.cfg.copy_threads)
+                for i in range(n)]
+        return self._layer_engines
+
     def run(self, task: Task) -> dict[str, Any]:
         """Execute one task on this rank; returns {"bytes": n, ...} (the Done's
         elapsed_s times it). ``task`` is a Task or, in a worker, the decoded
@@ -154,6 +221,8 @@ class RankExecutor:
                 return {"bytes": self._swap_out(task, task.src, task.dst)}
             if kind == "swap_in":
                 return {"bytes": self._swap_in(task, task.src, task.dst)}
+            if kind == "swap_in_layers":
+                return {"bytes": self._swap_in_layers(task)}
             if kind in ("store", "load", "lookup"):
                 return self._storage_task(task)
             raise ValueError(f"rank {self.rank}: unsupported task kind {kind!r}")
@@ -264,6 +333,10 @@ class RankExecutor:
         if self.engine is not None and hasattr(self.engine, "close"):
             attempt(self.engine.close)
         self.engine = None
+        self._layer_engines = None
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         attempt(self._close_event)
         if self._pinned is not None:
             from kvcached.memory.cuda_ipc import unpin

@@ -4,6 +4,6 @@ says why). Plain data, so that ``kvcached status`` can name the lanes
 without importing the worker.
 """
 
-LANE_OF = {"swap_out": "out", "swap_in": "in", "lookup": "load", "load": "load",
-           "store": "store", "control": "ctl", "noop": "ctl"}
-LANES = ("out", "in", "load", "store", "ctl")
+LANE_OF = {"swap_out": "out", "swap_in": "in", "swap_in_layers": "step", "lookup": "load",
+           "load": "load", "store": "store", "control": "ctl", "noop": "ctl"}
+LANES = ("out", "in", "step", "load", "store", "ctl")

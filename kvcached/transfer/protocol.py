@@ -22,7 +22,7 @@ Binary frames, little-endian, every field fixed-size::
     task  offset  0  u8   0xC1
                   1  u8   protocol version (PROTOCOL_VERSION)
                   2  u8   1 (task)
-                  3  u8   kind: 1 swap_out, 2 swap_in, 3 noop
+                  3  u8   kind: 1 swap_out, 2 swap_in, 3 noop, 4 swap_in_layers
                   4  u32  S, stamp pairs (0, or one per rank: args["kv_event"])
                   8  i64  task_id
                  16  u32  N, src ids
@@ -102,6 +102,9 @@ the message). Task kinds and their ids (device ids are bounded by
 
     swap_out  src device ids -> dst host ids (same length)
     swap_in   src host ids -> dst device ids (same length)
+    swap_in_layers  as swap_in, copied layer by layer, each layer published in the
+              rank's step progress channel as it lands (kvcached.memory.progress):
+              a load inside the engine's step (vLLM: a CPU-tier hit)
     store     src host ids, dst empty, args["keys"]: one str per block
     load      dst host ids, src empty, args["keys"]: one str per block
     lookup    src and dst empty, args["keys"]: list of str
@@ -146,7 +149,8 @@ MAX_SECONDS = 1e6
 MIN_TIMEOUT_S = 0.001
 MAX_TIME = 1e11
 
-TASK_KINDS = frozenset({"swap_out", "swap_in", "store", "load", "lookup", "control", "noop"})
+TASK_KINDS = frozenset({"swap_out", "swap_in", "swap_in_layers", "store", "load", "lookup",
+                        "control", "noop"})
 CONTROL_OPS = frozenset({
     "pause", "resume", "sleep", "wakeup", "update_weights", "status",
     "attach_storage", "detach_storage",
@@ -572,7 +576,7 @@ def _check_task(task: Task, limits: Limits) -> None:
     if kind not in TASK_KINDS:
         raise ProtocolError(f"task.task_kind: unknown task kind {kind!r}; "
                             f"expected one of {sorted(TASK_KINDS)}")
-    if kind in ("swap_out", "swap_in"):
+    if kind in ("swap_out", "swap_in", "swap_in_layers"):
         if len(task.src) != len(task.dst):
             raise ProtocolError(
                 f"task {kind}: src has {len(task.src)} ids but dst has {len(task.dst)}")
@@ -617,7 +621,7 @@ def _check_durations(args: dict[str, Any], where: str) -> None:
 
 BINARY_MAGIC = 0xC1  # a byte msgpack never uses: byte 0 tells the formats apart
 BINARY_TASK, BINARY_DONE = 1, 2  # byte 2, the message type
-BINARY_TASK_KINDS = ("swap_out", "swap_in", "noop")  # kind code = index + 1
+BINARY_TASK_KINDS = ("swap_out", "swap_in", "noop", "swap_in_layers")  # kind code = index + 1
 _KIND_CODE = {kind: code for code, kind in enumerate(BINARY_TASK_KINDS, 1)}
 _KIND_OF = dict(enumerate(BINARY_TASK_KINDS, 1))
 # magic, version, type, kind code, stamp pairs, task_id, src count, dst count

@@ -7,6 +7,9 @@ Threads and sockets (each socket has exactly one owning thread):
                   lanes, sends Done/Heartbeat, watches for the engine's death
     lane "out"    swap_out, in arrival order            (own PUSH socket)
     lane "in"     swap_in, in arrival order             (own PUSH socket)
+    lane "step"   swap_in_layers (a load inside the engine's step: it never
+                  queues behind the other swap-ins; on the CPU it runs on the
+                  main thread when the lane is idle), in order (own PUSH socket)
     lane "load"   lookup / load (storage reads), in order (own PUSH socket)
     lane "store"  store (storage writes), in order      (own PUSH socket)
     lane "ctl"    control operations and noop           (own PUSH socket)
@@ -373,11 +376,13 @@ class Worker(WorkerControl):
         two thread hand-offs (a queue, then an inproc socket back, each waking
         another thread), which cost more than decoding, copying and answering
         it. Big copies and control go to lanes so heartbeats and the other
-        direction keep flowing."""
+        direction keep flowing; but for a load inside the engine's step, whose
+        forward waits for every layer of it (milliseconds: the other frames
+        wait no longer than that)."""
         if kind == "noop":
             return True
         small = kind in ("swap_out", "swap_in") and n_ids <= INLINE_MAX_BLOCKS
-        return small and lane.outstanding == 0
+        return (small or kind == "swap_in_layers") and lane.outstanding == 0
 
     def open_executor(self, timeout_s: float) -> None:
         """Attach to the rank's memory."""
@@ -402,7 +407,7 @@ class Worker(WorkerControl):
         as done there."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
-            while any(self.lanes[n].outstanding for n in ("out", "in")):
+            while any(self.lanes[n].outstanding for n in ("out", "in", "step")):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

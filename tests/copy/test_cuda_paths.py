@@ -473,3 +473,28 @@ def test_create_cache_on_cuda_without_a_gpu_fails_at_start(tmp_path):
         CacheManager(cfg).start()
     assert not [p for p in shm.shm_dir().glob(f"{shm.PREFIX}*{run}*")]  # host pool removed
     assert not kvshare.descriptor_path(cfg.run_dir, 0).exists()
+
+
+def test_a_load_inside_the_step_is_one_ordered_copy_published_whole_on_cuda(tmp_path):
+    """On CUDA a swap_in_layers task is one swap-in, ordered after the engine's
+    KV event like any other, and every layer is published once it returned
+    (the worker half waits for all of them before the forward: a CUDA graph
+    skips the per-layer hooks)."""
+    from kvcached.memory.progress import StepProgress, progress_path
+    ex = RankExecutor(cuda_cfg(tmp_path), tmp_path, 0)
+    calls = []
+
+    class Engine:
+        def swap_in(self, src, dst, **kw):
+            calls.append((list(src), list(dst), kw))
+            return 64 * len(src)
+    ex.engine = Engine()
+    ex._event = "the engine's event"
+    ex._progress = reader = StepProgress.create(progress_path(tmp_path, 0))
+    t = Task("swap_in_layers", [3, 4], [5, 6])
+    t.task_id = 17
+    assert ex.run(t) == {"bytes": 128}
+    assert calls == [([3, 4], [5, 6], {"wait_event": "the engine's event"})]
+    assert reader.state() == (17, ex.cfg.layout.num_layers, False)
+    ex._progress = None
+    reader.close()

@@ -53,8 +53,8 @@ def served(model, storage, tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("run") / "run"
     steps = [["generate", "p"], ["reset"], ["generate", "p"], ["status"],
              ["metrics", "vllm:kvcached_", "vllm:prompt_tokens_cached_by_source"],
-             ["reset"], ["kill_worker"], ["generate", "p"], ["wait_worker"],
-             ["reset"], ["generate", "p"],
+             ["loads"], ["reset"], ["kill_worker"], ["generate", "p"], ["wait_worker"],
+             ["loads"], ["reset"], ["generate", "p"],
              ["ctl", "pause"], ["reset"], ["generate", "p"], ["ctl", "resume"],
              ["ctl", "sleep"], ["reset"], ["generate", "p"], ["ctl", "wakeup"],
              ["reset"], ["generate", "p"], ["status"],
@@ -63,9 +63,11 @@ def served(model, storage, tmp_path_factory) -> dict:
              # after a reset: only kvcached's tiers could serve it), then A again
              ["generate", "s", "tenant-a"], ["reset"], ["generate", "s", "tenant-b"],
              ["reset"], ["generate", "s"], ["reset"], ["generate", "s", "tenant-a"],
-             ["status"]]
+             ["status"],
+             # a frozen worker: its load inside the step runs past its deadline
+             ["reset"], ["stop_worker"], ["generate", "p"], ["wait_worker"], ["loads"]]
     extra = {"num_cpu_blocks": 512, "run_dir": str(run_dir), "storage_backend": "file",
-             "storage_url": str(storage)}
+             "storage_url": str(storage), "step_load_timeout_s": 1.0}
     return run_app({"model": model, "extra": extra, "prompts": PROMPTS, "steps": steps,
                     "log_stats": True, "kv_events": str(run_dir.parent / "kv-events")})
 
@@ -128,6 +130,22 @@ def test_killed_worker_is_a_miss_then_comes_back(served, baseline):
     assert min(served_share(after, PROMPTS["p"])) >= 0.9, after["cached"]
 
 
+def test_cpu_tier_hits_load_inside_their_step(served, baseline):
+    """A CPU-tier hit is scheduled in the step vLLM asks about it (the connector
+    answers (n, False): vLLM computes the rest of the prompt in that step's
+    forward, which waits for each layer of the load); nothing is loaded a
+    step later. A worker killed before such a load, or frozen during it
+    (past ``step_load_timeout_s``), costs a recompute in the same pass: the
+    outputs stay vLLM's own, and nothing hangs."""
+    warm, killed, frozen = [s["loads"] for s in served["steps"] if s["step"] == ["loads"]]
+    assert warm == {"step": 4}, warm  # the first warm pass: every prompt, none asynchronous
+    assert killed.get("async", 0) == 0, killed
+    assert frozen.get("async", 0) == 0, frozen
+    stopped = generated(served)[-1]
+    assert stopped["step"] == ["generate", "p"] and stopped["outputs"] == baseline
+    assert frozen["step"] > killed["step"], (killed, frozen)
+
+
 def test_ctl_pause_and_sleep_against_running_vllm(served, baseline):
     ctl = {s["step"][1]: s for s in served["steps"] if s["step"][0] == "ctl"}
     for op in ("pause", "resume", "sleep", "wakeup"):
@@ -170,9 +188,10 @@ def test_tensor_parallel_two_ranks(tmp_path):
     status = res["steps"][-1]["status"]
     assert sorted((w["rank"], w["state"]) for w in status["workers"]) == [(0, "ready"),
                                                                           (1, "ready")]
-    # A task completes only once both ranks did it: loads and saves completed.
+    # A task completes only once both ranks did it: loads (inside the step: each
+    # rank waited for its own layers) and saves completed.
     transfers = status["stats"]["transfers"]
-    assert transfers["swap_in"]["done"] >= 1 and transfers["swap_out"]["done"] >= 1
+    assert transfers["swap_in_layers"]["done"] >= 1 and transfers["swap_out"]["done"] >= 1
     assert status["stats"]["hit_tokens"]["cpu"] == sum(warm["cached"])
 
 

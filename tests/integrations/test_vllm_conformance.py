@@ -90,8 +90,8 @@ def batched(model, store, tmp_path_factory) -> dict:
     run = tmp_path_factory.mktemp("run-batched")
     extra = kv_extra(run, storage_backend="file", storage_url=str(store))
     return run_app({"model": model, "extra": extra, "prompts": PROMPTS,
-                    "steps": [["generate", "g"], ["reset"], ["generate", "g"], ["status"],
-                              ["kv_events_kept"]]})
+                    "steps": [["generate", "g"], ["loads"], ["reset"], ["generate", "g"],
+                              ["loads"], ["status"], ["kv_events_kept"]]})
 
 
 def test_a_batch_sharing_prefixes_is_served_whole(batched, plain):
@@ -102,6 +102,11 @@ def test_a_batch_sharing_prefixes_is_served_whole(batched, plain):
     status = status_of(batched)["stats"]
     distinct = sum(n // BLOCK for _, n, _, _ in GROUPS) - 4 * 3 * (HEAD // BLOCK)
     assert status["tiers"]["cpu"]["used"] >= distinct  # every full prompt block, once
+    # the warm pass: every prompt's CPU-tier hit loaded inside the step that
+    # computed the rest of it (none waited a step), shared heads in one batch
+    before, after = [s["loads"] for s in batched["steps"] if s["step"] == ["loads"]]
+    assert after.get("step", 0) - before.get("step", 0) == len(GROUPS), (before, after)
+    assert after.get("async", 0) == before.get("async", 0), (before, after)
 
 
 def test_kv_events_are_kept_only_when_vllm_publishes_them(batched):
@@ -143,12 +148,14 @@ def test_chunked_prefill_and_preemption(model, chunked_plain, tmp_path):
     flight)."""
     res = run_app({"model": model, "extra": kv_extra(tmp_path / "run"), "prompts": PROMPTS,
                    **CHUNKED, "steps": [["generate", "g"], ["preemptions"], ["reset"],
-                                        ["generate", "g"], ["preemptions"]]})
+                                        ["generate", "g"], ["preemptions"], ["loads"]]})
     cold, warm = generated(res)
     assert res["steps"][1]["preemptions"] > 0, "the scenario needs vLLM to preempt"
     assert cold["outputs"] == chunked_plain["outputs"]
     assert warm["outputs"] == chunked_plain["outputs"]
     assert min(served_share(warm, GROUPS)) >= 0.9, warm["cached"]
+    loads = next(s["loads"] for s in res["steps"] if s["step"] == ["loads"])
+    assert loads.get("step", 0) >= len(GROUPS), loads  # chunked and preempted, inside steps
 
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)

@@ -154,7 +154,7 @@ def test_status_text_shows_workers_tiers_hits_transfers_storage_logs(engine):
     assert "coordinator: 4 tasks held, 1 in flight, healthy" in out
     lines = out.splitlines()
     rank0 = next(line for line in lines if "4242" in line).split()
-    assert rank0 == ["0", "4242", "ready", "0.2s", "ago", "3/1/2/5/0", "0", "17", "15", "0"]
+    assert rank0 == ["0", "4242", "ready", "0.2s", "ago", "3/1/0/2/5/0", "0", "17", "15", "0"]
     assert "silent for 9.5s" in next(line for line in lines if "4343" in line)
     assert next(line for line in lines if line.strip().startswith("cpu")).split() == \
         ["cpu", "256", "100", "156", "100"]

@@ -549,3 +549,33 @@ def test_start_returns_once_every_worker_attached(tmp_path):
     finally:
         th.join()
         mgr.close()
+
+
+def test_swap_in_layers_copies_layer_by_layer_and_publishes_each(workers_manager, tmp_path):
+    """A load inside an engine's step: every byte lands, the rank's progress
+    channel names the task with every layer done; a copy that fails (two
+    blocks into one) publishes the failure, and its Done fails."""
+    from kvcached.memory.progress import StepProgress, progress_path
+    from kvcached.tasks import Task
+    run_dir = tmp_path / "w0"
+    run_dir.mkdir()
+    chan = StepProgress.create(progress_path(run_dir, 0))  # as vLLM's worker half does
+    mgr = workers_manager(num_layers=3, num_gpu_blocks=6, num_cpu_blocks=4)
+    planes = attach_kv_cache(mgr.run_dir, 0)
+    for b in (0, 1):
+        fill([planes[i] for i in range(len(planes))], b, 0, salt=b + 1)
+    assert mgr.transfer.submit(Task("swap_out", [0, 1], [2, 3])).wait(10)
+    for plane in planes:
+        plane[4:6].zero_()
+    h = mgr.transfer.submit(Task("swap_in_layers", [2, 3], [4, 5]))
+    assert mgr.transfer.flush(10)  # on its way (the IO thread took it)
+    assert h.wait(10) and h.result.ok, h.result
+    assert chan.state() == (h.task.task_id, 3, False)
+    assert chan.writer_pid() == mgr.stats().workers[0]["pid"]
+    for b in (0, 1):
+        for p, plane in enumerate(planes):
+            assert bool((plane[4 + b] == (b + 1) * 1000 + p).all()), (b, p)
+    bad = mgr.transfer.submit(Task("swap_in_layers", [2, 3], [4, 4]))
+    assert bad.wait(10) and not bad.result.ok
+    assert chan.state() == (bad.task.task_id, 0, True)
+    chan.close()

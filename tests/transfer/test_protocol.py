@@ -94,6 +94,8 @@ SAMPLES: list[Message] = [
     Task(task_id=7, kind="swap_out", src=[0, 5, 9], dst=[19, 0, 3],
          args={"kv_event": [[5, 1], [0, 0]]}),
     Task(task_id=8, kind="swap_in", src=[1, 2], dst=[3, 4], args={}),
+    Task(task_id=15, kind="swap_in_layers", src=[7, 2, 3], dst=[5, 6, 1],
+         args={"kv_event": [[9, 4]]}),
     Task(task_id=9, kind="store", src=[4, 5], dst=[], args={"keys": ["ns/aa/0of2", "ns/bb/0of2"]}),
     Task(task_id=10, kind="load", src=[], dst=[6], args={"keys": ["ns/aa/0of2"], "policy": "best_effort"}),
     Task(task_id=11, kind="lookup", args={"keys": ["k1", "k2", "k3"]}),
@@ -190,7 +192,7 @@ def tasks(draw, kinds=tuple(sorted(TASK_KINDS))) -> Task:
     task_id = draw(counts)
     # A binary task (swap, noop) carries no args but the KV event stamps.
     args = draw(stamp_args if kind in protocol.BINARY_TASK_KINDS else args_maps)
-    if kind in ("swap_out", "swap_in"):
+    if kind in ("swap_out", "swap_in", "swap_in_layers"):
         n = draw(st.integers(0, 6))
         dev = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
         host = draw(st.lists(st.integers(0, 19), min_size=n, max_size=n))

@@ -9,8 +9,12 @@ Loaded by vLLM with no change to vLLM::
 vLLM makes one connector in its scheduler (the ``SchedulerHalf``: the cache
 manager, its tiers and transfer workers) and one in every worker process
 (the ``WorkerHalf``: hands the rank's KV tensors over). The copies run in
-kvcached's transfer workers, between vLLM's steps, so the model runner's
-per-layer hooks have nothing to do.
+kvcached's transfer workers. A CPU-tier hit (short enough:
+``step_load_max_blocks``) loads inside the step that computes the rest of
+its prompt: the transfer worker copies it layer by layer while the forward
+runs, and ``wait_for_layer_load`` waits for that layer only. Every other
+load (storage, long hits) lands between steps, the request running in the
+step after.
 """
 
 from __future__ import annotations
@@ -28,17 +32,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcached.integrations.vllm import config as vconfig
+from kvcached.integrations.vllm.stepload import StepLoad
 
 
 @dataclass
 class KvcachedMetadata(KVConnectorMetadata):
     """What the scheduler tells every worker each step: the requests whose
     loads finished, the engine blocks among them that did not get their KV,
-    and the finished requests whose saves are all done."""
+    the finished requests whose saves are all done, and the load inside this
+    step (its task, to wait for layer by layer)."""
 
     finished_loads: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
     finished_saves: set[str] = field(default_factory=set)
+    step_load: StepLoad = field(default_factory=StepLoad)
 
 
 def _timed(method):
@@ -73,6 +80,13 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save that does not happen is a later miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load is not waited for: on CUDA the worker half waits
+        # for a load inside the step before the forward starts (start_load_kv),
+        # so a full CUDA graph, which skips the per-layer hooks, stays correct
+        return False
 
     # ------------------------------------------------------------ scheduler
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -161,18 +175,20 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KvcachedMetadata)
         meta = connector_metadata
-        self.worker.bind(meta.finished_loads, meta.load_errors, meta.finished_saves)
+        self.worker.bind(meta.finished_loads, meta.load_errors, meta.finished_saves,
+                         meta.step_load)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        pass  # loads were copied between steps, by the transfer workers
+        self.worker.start_step_load()  # its copy started when the scheduler sent it
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
+        self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         pass  # saves are copied from the blocks once the forward is done
 
     def wait_for_save(self) -> None:
+        self.worker.finish_step_load()  # every layer, also those no attention waited for
         self.worker.after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -34,7 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 TIERS = ("cpu", "storage")
 # Counters of one interval; per-tier ones take the tier as a suffix.
 PER_TIER = ("hit_tokens", "loaded_bytes")
-PLAIN = ("load_failed_blocks", "saved_blocks", "saved_bytes", "saves_dropped")
+PLAIN = ("load_failed_blocks", "saved_blocks", "saved_bytes", "saves_dropped", "step_loads")
 COUNTERS = tuple(f"{c}_{t}" for c in PER_TIER for t in TIERS) + PLAIN
 MEDIUM = {"cpu": MEDIUM_CPU, "storage": MEDIUM_STORAGE}
 # Load latency buckets (seconds): a CPU-tier load takes milliseconds, a
@@ -119,6 +119,11 @@ class KvcachedPromMetrics(KVConnectorPromMetrics):
             "saved_bytes": self._counter_cls(
                 name="vllm:kvcached_saved_bytes",
                 documentation="Bytes of KV copied into kvcached's CPU tier.",
+                labelnames=labelnames),
+            "step_loads": self._counter_cls(
+                name="vllm:kvcached_step_loads",
+                documentation="Requests whose CPU-tier hit loaded inside the step that "
+                              "computed the rest of their prompt.",
                 labelnames=labelnames),
             "saves_dropped": self._counter_cls(
                 name="vllm:kvcached_saves_dropped",

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from kvcached.core.manager import EngineLoad, EngineSave
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.integrations.vllm import observe
+from kvcached.integrations.vllm.stepload import StepLoad
 from kvcached.memory import kvshare, rundir
 from kvcached.ops import janitor
 from kvcached.ops.wiring import CacheManager
@@ -100,6 +101,9 @@ class Lookup:
             self.handle is not None and (self.handle.done() or now >= self.deadline))
 
 
+# How long build_connector_meta waits for a load inside the step to be sent.
+STEP_FLUSH_S = 0.002
+
 # How long a step with nothing scheduled waits for kvcached's work in flight:
 # a lookup or a small load lands within it; a new request waits at most this
 # long to be seen.
@@ -125,6 +129,8 @@ class Tracked:
     saves: int = 0  # save plans not yet done (planned, or in flight)
     counted: bool = False  # in the hit statistics
     failed: bool = False  # a load failed: the rest of the request computes its KV
+    in_step: bool = False  # its hit, as last answered, loads inside the step
+    preempted: bool = False  # since its last allocation
     finished: bool = False
     delayed: bool = False  # request_finished returned True: vLLM waits for our report
 
@@ -145,6 +151,7 @@ class Load:
     plan: EngineLoad
     parts: list[Part]
     window: bool = False  # one block of a window group: its request goes once it lands
+    step: bool = False  # inside the step vLLM schedules the request in (see StepLoad)
 
     def done(self) -> bool:
         return all(p.batch is not None and p.batch.done() for p in self.parts)
@@ -246,6 +253,15 @@ class SchedulerHalf:
             logger.warning("kvcached: %s", why)
             self.loads_on = False
         self.lookup_timeout_s = cfg.storage_lookup_timeout_s
+        # A CPU-tier hit of at most this many blocks loads inside the step vLLM
+        # schedules its request in. Not with several KV cache groups: vLLM 0.32
+        # takes no block-level load errors from them, so a failed load inside
+        # the step could not be recomputed (they stay asynchronous, and report
+        # failures as finished loads).
+        self.step_max = cfg.step_load_max_blocks if (
+            len(self.groups) == 1 and cfg.transfer_mode == "workers") else 0
+        self.step_timeout_s = cfg.step_load_timeout_s
+        self.loads = collections.Counter()  # requests loaded: "step" (inside it), "async"
         # A prefix moving for another request lands within a task's time.
         self.move_wait_s = cfg.task_timeout_s
         # A run dir kvcached named (no run_dir configured) is temporary: it
@@ -280,6 +296,7 @@ class SchedulerHalf:
         self.sent: set[str] = set()  # finished requests whose saves are done
         self.step = 0
         self.planned_loads: list[tuple[Tracked, Load]] = []
+        self.step_loading: list[tuple[Tracked, Load, list[int]]] = []  # in flight, pinned
         self.lookups: list[Lookup] = []  # asked this step, not submitted yet
         self.kv_cache_manager = None
         self.block_pool = None
@@ -332,8 +349,8 @@ class SchedulerHalf:
         t.hit = (local, 0, 0)
         if limit <= local or t.failed or not self.loads_on:
             return 0, False  # after a failed load: no second try, no livelock
-        if t.saves:  # preempted while its saves copy: its blocks are about to be cached
-            return None, False
+        if t.saves or t.loads:  # preempted while its saves or its in-step load copy
+            return None, False  # (their blocks are about to be cached, or pinned)
         n_cpu, moving = [], False
         for creq in t.creqs:
             n, m = self.mgr.engine_cpu_prefix(creq, limit)
@@ -354,7 +371,9 @@ class SchedulerHalf:
         cpu = min(n_cpu, default=total)
         t.hit = (local, cpu, max(0, total - cpu))
         ext = max(0, total - local) * bs
-        return ext, ext > 0
+        # the CPU tier holds it all and it is short enough: load inside the step
+        t.in_step = 0 < total - local <= self.step_max and total <= cpu
+        return ext, ext > 0 and not t.in_step
 
     def _window_start(self, g: int, stop: int) -> int:
         """The first block window group ``g`` needs to go on after block ``stop``
@@ -447,6 +466,7 @@ class SchedulerHalf:
         bs = self.block_size
         cpu = storage = 0
         own = t.hit[0] * bs  # vLLM's own prefix-cache hit
+        t.preempted = False
         if num_external_tokens > 0:
             local = t.hit[0]
             stop = local + num_external_tokens // bs
@@ -454,7 +474,7 @@ class SchedulerHalf:
             ids = blocks.get_block_ids()
             cpu = storage = num_external_tokens
             for g, creq in zip(self.chains, t.creqs, strict=True):
-                plan = self._load(t, creq, local, list(ids[g]), stop)
+                plan = self._load(t, creq, local, list(ids[g]), stop, step=t.in_step)
                 end = min(plan.n_cpu + len(plan.nodes), stop)
                 cpu = min(cpu, max(0, min(plan.n_cpu, stop) - local) * bs)
                 storage = min(storage, max(0, end - local) * bs)
@@ -468,7 +488,11 @@ class SchedulerHalf:
                         cpu = 0  # blockwise groups alone: storage's if any block is
             storage -= min(cpu, storage)
             self._name(t, stop)  # blocks storage brings into the CPU tier
-            self.loading[request.request_id] = t
+            self.loads["step" if t.in_step else "async"] += 1
+            if t.in_step:
+                self.stats.count("step_loads")
+            else:
+                self.loading[request.request_id] = t
             t.lookup = t.wlookup = None
         t.split = (cpu, num_external_tokens - cpu)
         for tier, tokens in zip(observe.TIERS, t.split, strict=True):
@@ -479,11 +503,11 @@ class SchedulerHalf:
             self.mgr.count_engine_request(request.num_tokens, own, cpu, storage)
 
     def _load(self, t: Tracked, creq, start: int, ids: list[int], stop: int,
-              window: bool = False) -> EngineLoad:
+              window: bool = False, step: bool = False) -> EngineLoad:
         """Plan copying blocks ``start..stop-1`` of ``creq`` into ``ids``: in
         flight from here, submitted with this step's metadata."""
         plan = self.mgr.engine_load(creq, start, stop, ids)
-        load = Load(plan, [Part() for _ in plan.tasks], window=window)
+        load = Load(plan, [Part() for _ in plan.tasks], window=window, step=step)
         t.loads.append(load)
         self.planned_loads.append((t, load))
         return plan
@@ -547,7 +571,8 @@ class SchedulerHalf:
         if t is None:
             return False, None
         t.finished = True
-        t.delayed = bool(t.saves or t.loads)
+        # an in-step load holds its blocks itself (pinned until it lands)
+        t.delayed = bool(t.saves or any(not load.step for load in t.loads))
         self._release_if_done(t)
         return t.delayed, None
 
@@ -558,23 +583,25 @@ class SchedulerHalf:
             self.reqs.pop(t.request.request_id, None)
 
     # ---------------------------------------------------------------- steps
-    def build_meta(self, scheduler_output) -> tuple[set[str], set[int], set[str]]:
+    def build_meta(self, scheduler_output) -> tuple[set[str], set[int], set[str], StepLoad]:
         """One step (see the module docstring); returns the requests whose loads
-        finished, the engine blocks that did not get their KV, and the finished
-        requests whose saves are all done: the workers report them."""
+        finished, the engine blocks that did not get their KV, the finished
+        requests whose saves are all done (the workers report them), and this
+        step's load inside the step (the workers wait for it)."""
         self.step += 1
         for rid in scheduler_output.preempted_req_ids or ():
             self._preempted(rid)
+        self._poll_step_loads()
         self._run_saves()
         self._submit_lookups()
-        self._submit_loads()
+        step_load = self._submit_loads()
         self._plan_saves(scheduler_output)
         self._poll_saves()
         done, bad = self._poll_loads(with_failed=True)
         sent, self.sent = self.sent, set()
         if not scheduler_output.total_num_scheduled_tokens:
             self._wait_idle()
-        return done, bad, sent
+        return done, bad, sent, step_load
 
     def _wait_idle(self) -> None:
         """Nothing runs in this step and vLLM steps again at once. A loop that
@@ -598,6 +625,7 @@ class SchedulerHalf:
 
     def update_output(self, output) -> None:
         """After a step: completed loads and saves go straight to vLLM."""
+        self._poll_step_loads()
         done, _ = self._poll_loads(with_failed=False)
         self._poll_saves()
         if done:
@@ -618,6 +646,7 @@ class SchedulerHalf:
         if t is None:
             return
         t.saved = 0
+        t.preempted = True
         kept = collections.deque()
         for plan in self.saves:
             if plan.rid == rid:
@@ -804,19 +833,26 @@ class SchedulerHalf:
             lk.handle, lk.deadline = handle, deadline
 
     # ------------------------------------------------------------------ loads
-    def _submit_loads(self) -> None:
+    def _submit_loads(self) -> StepLoad:
         """This step's loads, one task per kind: a swap-in from the CPU tier, a load
-        from storage into the engine's blocks, a load into host blocks only."""
+        from storage into the engine's blocks, a load into host blocks only; and
+        the swap-ins inside the step, one ``swap_in_layers`` task whose blocks
+        stay pinned until it lands (whatever becomes of their requests)."""
         batches: dict[tuple[str, bool, int], list[tuple[Task, Part]]] = \
             collections.defaultdict(list)
+        step = StepLoad(timeout_s=self.step_timeout_s)
+        pinned: list[int] = []  # the step's loads share it (one task)
         for t, load in self.planned_loads:
+            if load.step:
+                step.failed.update(load.plan.missing)
+                self.step_loading.append((t, load, pinned))  # filled below
             for task, part in zip(load.plan.tasks, load.parts, strict=True):
                 # Swap-ins batch (all or nothing); a storage read reports the
                 # prefix it got, which must be this request's alone (its
                 # groups' in one read: a block short in one group counts the
                 # later groups' as not arrived, and they are recomputed).
-                key = (task.kind, "device_ids" in task.args,
-                       id(t) if task.kind == "load" else -1)
+                kind = "swap_in_layers" if load.step else task.kind
+                key = (kind, "device_ids" in task.args, id(t) if task.kind == "load" else -1)
                 batches[key].append((task, part))
         self.planned_loads.clear()
         for (kind, _, _), parts in batches.items():
@@ -831,6 +867,47 @@ class SchedulerHalf:
             for _, part in parts:
                 part.batch = handle
                 part.submitted = time.monotonic()
+            if kind == "swap_in_layers":
+                if handle.done() and not handle.result.ok:  # refused at once (ranks down)
+                    step.failed.update(merged.dst)
+                else:
+                    step.task_id = handle.task.task_id
+                    step.blocks = list(merged.dst)
+                    pinned += merged.dst
+                    self._pin(pinned)
+        if step.task_id >= 0:
+            # vLLM's forward starts next, in this process on one rank, and holds
+            # the GIL: let the coordinator send the task first (microseconds)
+            self.mgr.flush_submitted(STEP_FLUSH_S)
+        return step
+
+    def _poll_step_loads(self) -> None:
+        """Land the loads inside a step whose task completed. The forward that
+        needed them waited for every layer (or reported their blocks failed,
+        in the same pass), so vLLM hears nothing more: their blocks are
+        unpinned, and their requests let go once nothing else is in flight."""
+        if not self.step_loading:
+            return
+        still = []
+        for t, load, pinned in self.step_loading:
+            if not load.done():
+                still.append((t, load, pinned))
+                continue
+            lost = self.mgr.engine_finish_load(load.plan, load.results())
+            t.failed |= bool(lost)
+            self.stats.count("load_failed_blocks", len(lost))
+            if load.parts:
+                self.stats.load_took(time.monotonic() - load.parts[0].submitted)
+            t.loads.remove(load)
+            if pinned:  # one list for the step's loads (one task: done together)
+                self._unpin(pinned)
+                pinned.clear()
+            if t.preempted:
+                self._renew(t)  # its path goes once nothing of it is in flight
+            if t.finished and t.delayed and not t.saves and not t.loads:
+                self.sent.add(t.request.request_id)
+            self._release_if_done(t)
+        self.step_loading = still
 
     def _poll_loads(self, with_failed: bool) -> tuple[set[str], set[int]]:
         """Requests whose loads all completed, and the blocks that did not arrive.

@@ -13,16 +13,27 @@ The copies themselves never run here: the scheduler half submits them and
 learns when every rank finished. It passes the finished loads (and the
 blocks that did not arrive) in each step's metadata, and this half reports
 them to vLLM, every rank alike, as vLLM's aggregation expects.
+
+A load inside the step (a CPU-tier hit vLLM schedules at once) is the one
+thing this half waits for: the transfer worker copies it layer by layer and
+publishes each layer in the rank's step progress channel
+(``kvcached.memory.progress``), and ``wait_layer`` waits, before a layer's
+attention, for that layer only. A load that fails, stalls past its deadline
+or loses its worker is reported through ``take_load_errors`` in the same
+forward pass (vLLM discards that pass's output for the request and
+recomputes the blocks); nothing waits without a deadline. On CUDA the copy
+is published whole, and the wait happens before the forward starts.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from kvcached.integrations.vllm import config as vconfig
-from kvcached.memory import kvshare
+from kvcached.memory import kvshare, progress
 from kvcached.memory.rundir import create_run_dir, mark_temporary
 
 # Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
@@ -71,6 +82,11 @@ class WorkerHalf:
         self.saved: set[str] = set()
         self.on_cpu = vllm_config.device_config.device_type == "cpu"
         self.allocations = None  # SharedAllocations: vLLM's KV cache, on CPU
+        self.layer_index = {name: i for i, name in enumerate(self.layers)}
+        self.progress: progress.StepProgress | None = None  # made with the planes
+        self.step = None  # this step's load inside the step (connector.StepLoad)
+        self.step_layers = 0  # of its layers, those known to have landed
+        self.step_deadline = 0.0
 
     def mem_pool_context(self):
         """Where vLLM allocates its KV cache: on CPU, shared memory the transfer
@@ -91,6 +107,9 @@ class WorkerHalf:
                 "kvcached: vLLM allocated its CPU KV cache outside the connector's memory "
                 "(get_mem_pool_context was not used), so the transfer worker cannot reach "
                 "it; this vLLM version is not supported on CPU (kvcached needs vLLM 0.32+)")
+        # before the planes: a transfer worker opens it when it attaches to them
+        self.progress = progress.StepProgress.create(progress.progress_path(self.run_dir,
+                                                                            self.rank))
         kvshare.export_kv_cache(planes, self.rank, self.run_dir, event=self.event)
 
     def after_forward(self) -> None:
@@ -99,10 +118,57 @@ class WorkerHalf:
         if self.event is not None:
             self.event.record(torch.cuda.current_stream())
 
-    def bind(self, finished: set[str], load_errors: set[int], saved: set[str]) -> None:
+    def bind(self, finished: set[str], load_errors: set[int], saved: set[str],
+             step=None) -> None:
         self.finished = set(finished)
         self.load_errors = set(load_errors)
         self.saved = set(saved)
+        self.step, self.step_layers, self.step_deadline = None, 0, 0.0
+        if step is not None:
+            self.load_errors |= step.failed
+            if step.task_id >= 0 and self.progress is not None:
+                self.step = step
+
+    # ------------------------------------------------------ loads in the step
+    def start_step_load(self) -> None:
+        """The forward is about to start. Its deadline starts now; on CUDA the
+        whole load is waited for here (the per-layer hooks do not run inside
+        a CUDA graph; the copy is published whole there anyway)."""
+        if self.step is None:
+            return
+        self.step_deadline = time.monotonic() + self.step.timeout_s
+        if not self.on_cpu:
+            self._wait_layers(len(self.layers))
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention: wait until its planes landed (a
+        layer kvcached does not know: all of them)."""
+        if self.step is not None:
+            self._wait_layers(self.layer_index.get(layer_name, len(self.layers) - 1) + 1)
+
+    def finish_step_load(self) -> None:
+        """After the forward: every layer landed, or the load's blocks are errors."""
+        if self.step is not None:
+            self._wait_layers(len(self.layers))
+            self.step = None
+
+    def _wait_layers(self, layers: int) -> None:
+        step = self.step
+        if step is None or layers <= self.step_layers:
+            return
+        if not self.step_deadline:
+            self.step_deadline = time.monotonic() + step.timeout_s
+        res = self.progress.wait(step.task_id, layers, self.step_deadline)
+        if res.ok:
+            self.step_layers = res.layers
+            return
+        # Recomputed, never used: vLLM reads the errors right after this pass.
+        self.progress.cancel(step.task_id)  # the worker stops before its next layer
+        self.load_errors.update(step.blocks)
+        self.step = None
+        logger.warning("kvcached: rank %d: a load inside the step (task %d, %d blocks) %s "
+                       "after %d of %d layers; vLLM recomputes its blocks", self.rank,
+                       step.task_id, len(step.blocks), res.outcome, res.layers, len(self.layers))
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """(finished requests whose saves are done, requests whose loads are)."""

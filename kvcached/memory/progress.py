@@ -1,0 +1,184 @@
+"""The step progress channel: how far a load inside the engine's step has come.
+
+A load that runs inside a forward pass (vLLM: a CPU-tier hit loaded in the
+step that computes the rest of the prompt) is copied by the rank's transfer
+worker layer by layer, and the engine's worker waits for each layer just
+before its attention reads it. Asking the transfer worker over a socket
+would cost a round trip per layer; instead it publishes its progress in a
+64-byte file in the run dir, ``step-rank<r>.progress``, mapped by both::
+
+    word 0  magic (MAGIC)
+    word 1  pid of the transfer worker writing it (0: none yet)
+    word 2  state: task_id << 20 | layers done << 1 | failed
+    word 3  a task the engine gave up on, plus one (0: none)
+
+Each word is one aligned 8-byte store or load, so a reader never sees half
+of one; the state is one word so that (task, layers, failed) change
+together. The copies a layer's state announces are complete before it is
+stored (the copy engine fences its streaming stores; x86 keeps stores in
+order). One writer (the rank's transfer worker, one copy at a time on its
+``step`` lane), one reader (the engine's worker for that rank).
+
+Task ids only grow (the coordinator's counter), so a state naming an older
+task is stale (an earlier load), and one naming a newer task means the
+awaited one will never run (its worker lost it): the reader gives up at once.
+A writer pid that is gone means the same, whatever the state says.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = 0x31504554534B564B  # "KVKSTEP1", little-endian
+SIZE = 64
+LAYER_BITS = 19  # layers per task: at most 2**19 - 1
+MAX_LAYERS = (1 << LAYER_BITS) - 1
+TASK_SHIFT = LAYER_BITS + 1
+MAX_TASK_ID = (1 << (64 - TASK_SHIFT)) - 1
+MAX_PAUSE_S = 0.0001  # a reader's longest sleep between looks
+
+
+def progress_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    """``<run_dir>/step-rank<rank>.progress``."""
+    return Path(run_dir) / f"step-rank{int(rank)}.progress"
+
+
+def pack(task_id: int, layers: int, failed: bool = False) -> int:
+    """One state word (see the module docstring)."""
+    if not 0 <= task_id <= MAX_TASK_ID or not 0 <= layers <= MAX_LAYERS:
+        raise ValueError(f"task {task_id}, {layers} layers do not fit a progress word")
+    return task_id << TASK_SHIFT | layers << 1 | int(bool(failed))
+
+
+def unpack(word: int) -> tuple[int, int, bool]:
+    """(task_id, layers done, failed) of a state word."""
+    return word >> TASK_SHIFT, (word >> 1) & MAX_LAYERS, bool(word & 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """How a wait for layers of a task ended: ``ok``, or why not (``failed``: the
+    copy failed; ``lost``: it will never run, or its writer is gone;
+    ``timeout``: the deadline passed)."""
+
+    outcome: str
+    layers: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+class StepProgress:
+    """One rank's progress channel, mapped (see the module docstring)."""
+
+    def __init__(self, path: Path, mm: mmap.mmap):
+        self.path = path
+        self._mm = mm
+        self._words = memoryview(mm).cast("Q")
+        if self._words[0] != MAGIC:
+            self.close()
+            raise ValueError(f"{path} is not a step progress file (bad magic)")
+
+    @classmethod
+    def create(cls, path: str | os.PathLike) -> StepProgress:
+        """A fresh channel (no writer, no task), replacing any old file atomically:
+        a writer still mapping the old one publishes where nobody reads."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC.to_bytes(8, "little") + bytes(SIZE - 8))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return cls.open(path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> StepProgress:
+        """Map an existing channel; FileNotFoundError if there is none."""
+        path = Path(path)
+        with open(path, "r+b") as f:
+            if os.fstat(f.fileno()).st_size < SIZE:
+                raise ValueError(f"step progress file {path} is shorter than {SIZE} bytes")
+            mm = mmap.mmap(f.fileno(), SIZE)
+        return cls(path, mm)
+
+    # ------------------------------------------------------------ the writer
+    def attach_writer(self, pid: int | None = None) -> None:
+        """The transfer worker ``pid`` (this process) writes from now on."""
+        self._words[1] = os.getpid() if pid is None else int(pid)
+
+    def publish(self, task_id: int, layers: int, failed: bool = False) -> None:
+        """Layers ``0..layers-1`` of ``task_id`` landed (or the copy failed)."""
+        self._words[2] = pack(task_id, layers, failed)
+
+    def cancelled(self, task_id: int) -> bool:
+        """Whether the engine gave up on ``task_id`` (copy no more of it)."""
+        return self._words[3] == task_id + 1
+
+    # ------------------------------------------------------------ the reader
+    def state(self) -> tuple[int, int, bool]:
+        return unpack(int(self._words[2]))
+
+    def writer_pid(self) -> int:
+        return int(self._words[1])
+
+    def cancel(self, task_id: int) -> None:
+        """Give up on ``task_id``: its blocks are recomputed, its writer stops
+        before its next layer."""
+        self._words[3] = task_id + 1
+
+    def wait(self, task_id: int, layers: int, deadline: float,
+             alive=None) -> Wait:
+        """Wait until layers ``0..layers-1`` of ``task_id`` landed, the copy failed
+        or can no longer come, or ``time.monotonic()`` passes ``deadline``.
+        ``alive(pid)`` says whether a writer pid still runs (default: the OS).
+        Polls, sleeping 20 us, doubling up to ``MAX_PAUSE_S``, between looks:
+        the writer needs the cores more than the reader, on a small machine,
+        and a layer lands at most that long before it is seen."""
+        alive = alive or _alive
+        pause, checked = 0.00002, 0.0
+        while True:
+            task, done, failed = unpack(int(self._words[2]))
+            if task == task_id:
+                if failed:
+                    return Wait("failed", done)
+                if done >= layers:
+                    return Wait("ok", done)
+            elif task > task_id:
+                return Wait("lost")  # a later task ran: this one never will
+            now = time.monotonic()
+            if now >= deadline:
+                return Wait("timeout", done if task == task_id else 0)
+            if now - checked > 0.002:  # the writer's liveness, every 2 ms
+                checked = now
+                pid = self.writer_pid()
+                if pid and not alive(pid):
+                    return Wait("lost", done if task == task_id else 0)
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, MAX_PAUSE_S)
+
+    def close(self) -> None:
+        self._words.release()
+        self._mm.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (killed, not yet reaped by its parent) copies nothing more
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

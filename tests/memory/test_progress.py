@@ -1,0 +1,112 @@
+"""The step progress channel (kvcached.memory.progress): one writer publishes a
+task's layers, one reader waits for them; stale, newer, failed, cancelled and
+dead-writer states, in one process and across two."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvcached.memory import progress
+from kvcached.memory.progress import StepProgress
+
+
+@pytest.fixture
+def chan(tmp_path):
+    path = progress.progress_path(tmp_path, 0)
+    reader = StepProgress.create(path)
+    writer = StepProgress.open(path)
+    writer.attach_writer()
+    yield reader, writer
+    writer.close()
+    reader.close()
+
+
+def soon(s: float = 0.05) -> float:
+    return time.monotonic() + s
+
+
+def test_a_state_word_holds_task_layers_and_failure():
+    for task, layers, failed in ((0, 0, False), (7, 3, True), (progress.MAX_TASK_ID,
+                                                               progress.MAX_LAYERS, False)):
+        assert progress.unpack(progress.pack(task, layers, failed)) == (task, layers, failed)
+    with pytest.raises(ValueError):
+        progress.pack(progress.MAX_TASK_ID + 1, 0)
+    with pytest.raises(ValueError):
+        progress.pack(1, progress.MAX_LAYERS + 1)
+
+
+def test_layers_are_waited_for_in_order(chan):
+    reader, writer = chan
+    assert reader.wait(5, 1, soon()).outcome == "timeout"  # nothing of task 5 yet
+    for layer in range(1, 4):
+        writer.publish(5, layer)
+        assert reader.wait(5, layer, soon()) == progress.Wait("ok", layer)
+        # the next layer has not landed: the wait runs out its deadline, no longer
+        t0 = time.monotonic()
+        res = reader.wait(5, layer + 1, soon(0.02))
+        assert res == progress.Wait("timeout", layer) and time.monotonic() - t0 < 1.0
+    assert reader.state() == (5, 3, False)
+
+
+def test_a_failed_copy_ends_the_wait_at_once(chan):
+    reader, writer = chan
+    writer.publish(9, 1)
+    writer.publish(9, 1, failed=True)
+    assert reader.wait(9, 4, soon(10)) == progress.Wait("failed", 1)
+
+
+def test_an_older_task_is_stale_and_a_newer_one_means_lost(chan):
+    reader, writer = chan
+    writer.publish(3, 8)  # an earlier load's layers: not this one's
+    assert reader.wait(4, 1, soon()).outcome == "timeout"
+    writer.publish(6, 0)  # a later task ran: task 4 never will
+    t0 = time.monotonic()
+    assert reader.wait(4, 1, soon(10)).outcome == "lost"
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_cancelled_task_is_seen_by_the_writer(chan):
+    reader, writer = chan
+    assert not writer.cancelled(11)
+    reader.cancel(11)
+    assert writer.cancelled(11) and not writer.cancelled(12)
+
+
+def test_a_writer_that_dies_mid_task_ends_the_wait(tmp_path):
+    """A transfer worker killed between two layers: the reader sees its pid gone
+    and gives up at once, long before its deadline."""
+    path = progress.progress_path(tmp_path, 1)
+    reader = StepProgress.create(path)
+    code = (f"from kvcached.memory.progress import StepProgress\n"
+            f"p = StepProgress.open({str(path)!r}); p.attach_writer(); p.publish(21, 2)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    t0 = time.monotonic()
+    assert reader.wait(21, 2, soon(10)).ok  # what landed before it died is there
+    assert reader.wait(21, 3, soon(10)) == progress.Wait("lost", 2)
+    assert time.monotonic() - t0 < 1.0
+    reader.close()
+
+
+def test_a_new_channel_replaces_the_old_file(chan, tmp_path):
+    """A new engine makes its own channel: a worker still mapping the old file
+    publishes where nobody reads."""
+    reader, old_writer = chan
+    fresh = StepProgress.create(progress.progress_path(tmp_path, 0))
+    old_writer.publish(30, 5)
+    assert fresh.state() == (0, 0, False) and fresh.writer_pid() == 0
+    assert reader.state() == (30, 5, False)
+    fresh.close()
+
+
+def test_a_file_that_is_not_a_channel_is_refused(tmp_path):
+    bad = tmp_path / "x.progress"
+    bad.write_bytes(bytes(progress.SIZE))
+    with pytest.raises(ValueError, match="bad magic"):
+        StepProgress.open(bad)
+    bad.write_bytes(b"short")
+    with pytest.raises(ValueError, match="shorter"):
+        StepProgress.open(bad)
