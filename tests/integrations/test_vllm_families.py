@@ -177,7 +177,11 @@ def qwen3_next(tmp_path_factory) -> dict:
     second = run_app({**spec, "extra": {**extra, "run_dir": str(base / "run2")},
                       "role": "kv_consumer",
                       "steps": [["generate", "p"], ["status"]]})
-    return {"plain": plain, "first": first, "second": second}
+    # every object damaged: each load fails, vLLM computes the request again
+    third = run_app({**spec, "extra": {**extra, "run_dir": str(base / "run3")},
+                     "role": "kv_consumer",
+                     "steps": [["corrupt", str(base / "kv"), 1], ["generate", "p"], ["status"]]})
+    return {"plain": plain, "first": first, "second": second, "third": third}
 
 
 def test_qwen3_next_states_restore_every_hit_vllm_serves(qwen3_next):
@@ -201,3 +205,15 @@ def test_qwen3_next_storage_hit_reads_one_state_per_group(qwen3_next):
     hits = [n // QWEN_BLOCK for run in generated(qwen3_next["second"]) for n in run["cached"]]
     assert stats["hit_tokens"]["storage"] == QWEN_BLOCK * sum(hits)
     assert stats["transfers"]["load"]["blocks"] == sum(hits) + 3 * len(hits)
+
+
+def test_qwen3_next_failed_loads_are_computed_again(qwen3_next):
+    """vLLM stops on failed block ids of a model of several KV cache groups
+    (a block id is one group's): kvcached fails such a request whole
+    (``failed_recving``) and vLLM computes it again, outputs identical."""
+    assert qwen3_next["third"]["steps"][0]["corrupted"] > 0
+    damaged = generated(qwen3_next["third"])[0]
+    assert damaged["outputs"] == generated(qwen3_next["plain"])[0]["outputs"]
+    assert damaged["cached"] == [0] * len(QWEN_PROMPTS["p"])
+    # the hits were found and reported to vLLM, and every load of them failed
+    assert status_of(qwen3_next["third"])["stats"]["hit_tokens"]["storage"] > 0

@@ -93,7 +93,7 @@ def test_a_load_with_nothing_to_copy_reports_its_blocks_lost():
     t.request = type("Request", (), {"request_id": "r"})()
     t.loads.append(S.Load(EngineLoad(None, 0, 1, [7], 0, missing=[7]), [], window=True))
     half.loading = {"r": t}
-    assert half._poll_loads(with_failed=True) == ({"r"}, {7})
+    assert half._poll_loads(with_failed=True) == ({"r"}, {7}, {"r"})
     assert t.failed and not t.loads and not half.loading
 
 

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -39,13 +40,15 @@ from kvcached.integrations.vllm.stepload import StepLoad
 class KvcachedMetadata(KVConnectorMetadata):
     """What the scheduler tells every worker each step: the requests whose
     loads finished, the engine blocks among them that did not get their KV,
-    the finished requests whose saves are all done, and the load inside this
-    step (its task, to wait for layer by layer)."""
+    the finished requests whose saves are all done, the load inside this
+    step (its task, to wait for layer by layer), and for a hybrid model the
+    finished loads that failed (vLLM takes no block ids there)."""
 
     finished_loads: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
     finished_saves: set[str] = field(default_factory=set)
     step_load: StepLoad = field(default_factory=StepLoad)
+    failed_loads: set[str] = field(default_factory=set)
 
 
 def _timed(method):
@@ -176,7 +179,7 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(connector_metadata, KvcachedMetadata)
         meta = connector_metadata
         self.worker.bind(meta.finished_loads, meta.load_errors, meta.finished_saves,
-                         meta.step_load)
+                         meta.step_load, meta.failed_loads)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self.worker.start_step_load()  # its copy started when the scheduler sent it
@@ -192,8 +195,13 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        saves, loads = self.worker.take_finished()
+        saves, loads, _ = self.worker.take_finished()
         return saves or None, loads or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        saves, loads, failed = self.worker.take_finished()
+        return KVConnectorTransferResults(finished_sending=saves, finished_recving=loads,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

@@ -583,11 +583,14 @@ class SchedulerHalf:
             self.reqs.pop(t.request.request_id, None)
 
     # ---------------------------------------------------------------- steps
-    def build_meta(self, scheduler_output) -> tuple[set[str], set[int], set[str], StepLoad]:
+    def build_meta(self, scheduler_output) -> tuple[set[str], set[int], set[str], StepLoad,
+                                                    set[str]]:
         """One step (see the module docstring); returns the requests whose loads
         finished, the engine blocks that did not get their KV, the finished
-        requests whose saves are all done (the workers report them), and this
-        step's load inside the step (the workers wait for it)."""
+        requests whose saves are all done (the workers report them), this
+        step's load inside the step (the workers wait for it), and, for a
+        model of several KV cache groups, the requests whose loads failed (in
+        place of their blocks)."""
         self.step += 1
         for rid in scheduler_output.preempted_req_ids or ():
             self._preempted(rid)
@@ -597,11 +600,16 @@ class SchedulerHalf:
         step_load = self._submit_loads()
         self._plan_saves(scheduler_output)
         self._poll_saves()
-        done, bad = self._poll_loads(with_failed=True)
+        done, bad, failed = self._poll_loads(with_failed=True)
         sent, self.sent = self.sent, set()
         if not scheduler_output.total_num_scheduled_tokens:
             self._wait_idle()
-        return done, bad, sent, step_load
+        if len(self.groups) == 1:
+            return done, bad, sent, step_load, set()
+        # A block id is a group's only: vLLM maps failed blocks back to their
+        # requests for a model of one group, and stops on them for a hybrid.
+        # There the request is failed whole (vLLM computes it all again).
+        return done, set(), sent, step_load, failed
 
     def _wait_idle(self) -> None:
         """Nothing runs in this step and vLLM steps again at once. A loop that
@@ -626,7 +634,7 @@ class SchedulerHalf:
     def update_output(self, output) -> None:
         """After a step: completed loads and saves go straight to vLLM."""
         self._poll_step_loads()
-        done, _ = self._poll_loads(with_failed=False)
+        done, _, _ = self._poll_loads(with_failed=False)
         self._poll_saves()
         if done:
             output.finished_recving = (output.finished_recving or set()) | done
@@ -909,13 +917,15 @@ class SchedulerHalf:
             self._release_if_done(t)
         self.step_loading = still
 
-    def _poll_loads(self, with_failed: bool) -> tuple[set[str], set[int]]:
-        """Requests whose loads all completed, and the blocks that did not arrive.
-        Without ``with_failed`` a request with a failed load is left for the next
-        call with it: its blocks must reach vLLM in the pass that finishes it,
-        and only the workers' report carries them."""
+    def _poll_loads(self, with_failed: bool) -> tuple[set[str], set[int], set[str]]:
+        """Requests whose loads all completed, the blocks that did not arrive, and
+        the requests those belong to. Without ``with_failed`` a request with a
+        failed load is left for the next call with it: its blocks must reach
+        vLLM in the pass that finishes it, and only the workers' report carries
+        them."""
         done: set[str] = set()
         bad: set[int] = set()
+        failed: set[str] = set()
         for rid, t in list(self.loading.items()):
             if not all(load.done() for load in t.loads):
                 continue
@@ -928,6 +938,8 @@ class SchedulerHalf:
                     self.mgr.engine_release(load.plan.creq)
                 t.failed |= bool(lost)
                 bad.update(lost)
+                if lost:
+                    failed.add(rid)
                 self.stats.count("load_failed_blocks", len(lost))
                 if load.parts:  # none when nothing could be planned (all missing)
                     self.stats.load_took(now - min(p.submitted for p in load.parts))
@@ -935,7 +947,7 @@ class SchedulerHalf:
             del self.loading[rid]
             done.add(rid)  # a finished request's blocks are freed by this too
             self._release_if_done(t)
-        return done, bad
+        return done, bad, failed
 
     def close(self) -> None:
         """Land the saves vLLM's last steps planned, then close the manager (it

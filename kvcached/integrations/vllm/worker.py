@@ -78,6 +78,7 @@ class WorkerHalf:
         self.num_blocks = kv_cache_config.num_blocks
         self.event = None  # the rank's KV event on CUDA
         self.finished: set[str] = set()
+        self.failed: set[str] = set()  # a hybrid's failed loads (vLLM takes no block ids there)
         self.load_errors: set[int] = set()
         self.saved: set[str] = set()
         self.on_cpu = vllm_config.device_config.device_type == "cpu"
@@ -119,8 +120,9 @@ class WorkerHalf:
             self.event.record(torch.cuda.current_stream())
 
     def bind(self, finished: set[str], load_errors: set[int], saved: set[str],
-             step=None) -> None:
+             step=None, failed: set[str] = frozenset()) -> None:
         self.finished = set(finished)
+        self.failed = set(failed)
         self.load_errors = set(load_errors)
         self.saved = set(saved)
         self.step, self.step_layers, self.step_deadline = None, 0, 0.0
@@ -170,10 +172,11 @@ class WorkerHalf:
                        "after %d of %d layers; vLLM recomputes its blocks", self.rank,
                        step.task_id, len(step.blocks), res.outcome, res.layers, len(self.layers))
 
-    def take_finished(self) -> tuple[set[str], set[str]]:
-        """(finished requests whose saves are done, requests whose loads are)."""
-        out = self.saved, self.finished
-        self.saved, self.finished = set(), set()
+    def take_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished requests whose saves are done, requests whose loads are,
+        those of them whose loads failed: a hybrid model's)."""
+        out = self.saved, self.finished, self.failed
+        self.saved, self.finished, self.failed = set(), set(), set()
         return out
 
     def take_load_errors(self) -> set[int]:
