@@ -73,7 +73,7 @@ Constants (``AdaptiveParams``), for a tier of ``capacity`` blocks::
                           bigger tier keeps blocks longer, in requests
     MIN_WINDOW = 4        ticks (two requests): the tiny synthetic tiers
                           (100-500 blocks) want windows of a few requests
-    REBUILD_TICKS = 32    the densities are rebuilt every ceil(32 / WINDOW)
+    REBUILD_TICKS = 16    the densities are rebuilt every ceil(16 / WINDOW)
                           windows: a rebuild costs O(CLASSES x BINS), and in
                           a small tier one per window was most of the cost
     GHOST = 8 * capacity  ghost entries (rounded up to whole sets of WAYS)

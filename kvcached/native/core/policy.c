@@ -17,7 +17,7 @@
  * - `ranks` orders the (class, age bin) cells by density; victim() walks it
  *   from a cursor below which every list is empty: O(1) amortised.
  * - The tables decay each window (capacity / 600 ticks, at least 4) and are
- *   rebuilt at least 32 ticks apart, O(classes x bins), in 128-bit
+ *   rebuilt at least 16 ticks apart, O(classes x bins), in 128-bit
  *   arithmetic.
  * - Every eviction counts as an end ("not reused within the horizon") and
  *   the ghost remembers the key (set-associative, a fingerprint, the class
