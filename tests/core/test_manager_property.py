@@ -167,8 +167,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def replay_policy_calls(self):
         """The core's policy calls since the last step, into the reference policies:
         every victim must be the reference's."""
-        for tier, name, key in self.mgr.core.drain_policy_log():
-            args = {"on_insert": (key, 0, 0), "on_hit": (key, 0), "victim": ()}.get(name, (key,))
+        for tier, name, key, now in self.mgr.core.drain_policy_log():
+            args = {"on_insert": (key, 0, now), "on_hit": (key, now), "victim": ()}.get(name, (key,))
             want = key if name == "victim" else None
             replay_calls(self.ref_policies[tier], [(name, args, want)])
             VICTIMS[tier] += name == "victim" and key is not None

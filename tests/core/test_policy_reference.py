@@ -108,53 +108,57 @@ def test_a_leaf_that_comes_back_survives_one_off_prompts():
 
 
 def test_a_ghost_hit_promotes_the_block_and_teaches_its_age():
-    pol = AdaptivePolicy(8, AdaptiveParams(min_window=1))  # window = 1 tick: a window per insert
+    pol = AdaptivePolicy(8, AdaptiveParams(min_window=1))  # window = 1 tick of the clock
     key = 12345
-    pol.on_insert(key, 1, 0)  # tick 1
+    pol.on_insert(key, 1, 1)  # at clock 1
     assert pol.cls[key] == 0
     pol.add_leaf(key)
     assert pol.victim() == key
-    pol.on_evict(key)
-    for filler in range(5):  # ticks 2..6
-        pol.on_insert(filler, 1, 0)
-    pol.on_insert(key, 1, 0)  # tick 7: the ghost remembers it, last used in window 1
+    pol.on_evict(key)  # an end (not reused), until the ghost sees it return
+    assert pol.ends[0][-1] == ONE
+    for filler in range(5):  # clock 2..6
+        pol.on_insert(filler, 1, 2 + filler)
+    pol.on_insert(key, 1, 7)  # clock 7: the ghost remembers it, last used in window 1
     assert pol.cls[key] == 1 and pol.ghost_hits == 1
     assert pol.hits[0][6] == ONE and sum(map(sum, pol.hits)) == ONE
+    assert sum(map(sum, pol.ends)) == 0  # the end is undone
     for want in (2, 3, 3):  # promoted on each return, up to the last class
         pol.add_leaf(key)
         assert pol.victim() == key
         pol.on_evict(key)
-        pol.on_insert(key, 1, 0)
+        pol.on_insert(key, 1, 7)
         assert pol.cls[key] == want
     assert pol.ghost_hits == 4
 
 
 def test_a_hit_promotes_and_counts_at_its_age():
     pol = AdaptivePolicy(8, AdaptiveParams(min_window=1))
-    pol.on_insert(7, 1, 0)  # tick 1
-    pol.on_insert(8, 1, 0)
-    pol.on_insert(9, 1, 0)  # tick 3
-    pol.on_hit(7, 0)
+    pol.on_insert(7, 1, 1)  # clock 1
+    pol.on_insert(8, 1, 2)
+    pol.on_insert(9, 1, 3)
+    pol.on_hit(7, 3)  # clock 3: two windows after its insert
     assert pol.cls[7] == 1 and pol.hits[0][2] == ONE and pol.stamp[7] == 3
 
 
-def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
-    """The O(BINS) backward pass equals the density written out directly:
-    hits at ages >= a over the lifetime they and the ends still take, the ends
-    counted no later than just past the class's reuses, the last bin 0."""
+def test_rebuild_is_the_best_hits_per_lifetime_over_the_holding_horizon():
+    """The O(BINS) hull pass equals the density written out directly: for a
+    block of age a, the most hits per unit of space-time over every horizon A
+    it could be held to (held until reused or age A), the last bin 0."""
     pol = AdaptivePolicy(8, AdaptiveParams(bins=64, decay_shift=62))  # no decay
     hits, ends = [0] * 64, [0] * 64
     hits[2], hits[3], hits[4], hits[40] = 5 * ONE, 3 * ONE, ONE, ONE // 100
     ends[1], ends[30], ends[63] = ONE, 2 * ONE, 4 * ONE
     pol.hits[1], pol.ends[1] = hits[:], ends[:]
     pol._rebuild()
-    cap = 5  # past bin 4 lie 1/100 of a hit, under 1/64 of the class's
-    capped = [e if b < cap else 0 for b, e in enumerate(ends)]
-    capped[cap] = sum(ends[cap:])
 
     def direct(a: int) -> int:
-        life = sum((x - a + 1) * (hits[x] + capped[x]) for x in range(a, 64))
-        return (sum(hits[a:]) << 32) // life if life else 0
+        best = 0
+        for horizon in range(a + 1, 64):
+            life = sum((x - a + 1) * (hits[x] + ends[x]) for x in range(a, horizon))
+            life += (horizon - a) * sum(hits[x] + ends[x] for x in range(horizon, 64))
+            if life:
+                best = max(best, (sum(hits[a:horizon]) << 32) // life)
+        return best
 
     assert pol.density[1] == [direct(a) for a in range(63)] + [0]
     assert pol.density[1][2] > pol.density[1][0] > pol.density[1][6] > 0  # reuses near: dense
@@ -164,10 +168,11 @@ def test_rebuild_is_the_expected_hits_per_lifetime_with_ends_capped():
 
 
 def test_cold_tables_evict_in_lru_order_and_a_branch_tail_first():
-    pol = AdaptivePolicy(64)  # window = 128 ticks (min_window): all of this in one window
-    a, b, c, x = 1, 2, 3, 4  # a chain a <- b <- c, and x, used after it
-    for key in (a, b, c, x):
+    pol = AdaptivePolicy(64)  # window = 4 ticks (min_window): all of this in one window
+    a, b, c, x = 1, 2, 3, 4  # a chain a <- b <- c (one request), and x, used after it
+    for key in (a, b, c):
         pol.on_insert(key, 1, 0)
+    pol.on_insert(x, 1, 2)
     pol.add_leaf(c)
     pol.add_leaf(x)
     assert pol.victim() == c
@@ -193,10 +198,10 @@ def test_optimum_evicts_the_leaf_needed_last():
     a, b, c = chain(1), chain(2), chain(3)
     reqs = [req(a), req(b), req(c), req(b), req(a), req(b)]
     pol = OptimumPolicy(reqs)
-    for key in (a[0], b[0], c[0]):  # all three cached by request 2
-        pol.on_insert(key, 1, now=2)
+    for key in (a[0], b[0], c[0]):  # all three cached by request 2 (clock 4)
+        pol.on_insert(key, 1, now=4)
         pol.add_leaf(key)
-    assert [pol.next_use(k, 2) for k in (a[0], b[0], c[0])] == [4, 3, NEVER]
+    assert [pol.next_use(k, 4) for k in (a[0], b[0], c[0])] == [4, 3, NEVER]
     assert [pol.victim(), pol.victim(), pol.victim()] == [c[0], a[0], b[0]]
 
 

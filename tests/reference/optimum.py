@@ -10,7 +10,8 @@ prefix that is needed sooner. Ties (never used again, mostly) take the
 deeper node first, then the one listed first.
 
 It is the same ``Policy`` as the online ones, built with the whole request
-list; the simulator's ``now`` must be the request's index in that list.
+list; the simulator's ``now`` must be its clock (twice the request's index in
+that list, one more at commit).
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ class OptimumPolicy:
         self._seq = 0
 
     def next_use(self, key: int, now: int) -> int:
-        """The first request after ``now`` that matches ``key`` (NEVER if none)."""
+        """The first request after the one at ``now`` that matches ``key`` (NEVER if
+        none)."""
         times = self._uses.get(key)
         if not times:
             return NEVER
-        j = bisect_right(times, now)
+        j = bisect_right(times, now // 2)
         return times[j] if j < len(times) else NEVER
 
     def on_insert(self, key: int, depth: int, now: int) -> None:

@@ -25,7 +25,9 @@ kvcached the first 8 bytes of the node's hash, little-endian):
   leaf is ``add_leaf``-ed before the next ``victim()``.
 
 ``now`` is the manager's clock (non-decreasing; one tick per allocate and
-free); ``depth`` the node's depth (root's children: 1). Only LRU uses them.
+free: two per request, the allocate's matches at ``2 i``, its commit at
+``2 i + 1``); ``depth`` the node's depth (root's children: 1). LRU uses both,
+the adaptive policy ``now`` (its ages are in these ticks).
 
 In kvcached each tier has its own instance (capacity ``num_gpu_blocks``,
 ``num_cpu_blocks``), and the calls sit where today's code touches that
@@ -64,29 +66,37 @@ Constants (``AdaptiveParams``), for a tier of ``capacity`` blocks::
     CLASSES = 4           class = min(uses, CLASSES - 1); uses counts on_hit
                           calls and ghost returns since the block was new
     BINS = 256            age bins; the last one holds every older age
-    WINDOW = max(MIN_WINDOW, capacity // 32) ticks: the width of an age bin
-                          (so BINS * WINDOW = 8 x capacity: the reuse horizon).
-                          Chat turns come back within a few windows of
-                          capacity // 8: bins that wide lumped reuses of
-                          different ages together, which cost 3-4% of the hits
-                          at the 50% and 75% points of the think workload
-    MIN_WINDOW = 128      a rebuild costs O(CLASSES x BINS): in a tier of a
-                          few hundred blocks, short windows made it most of
-                          the policy's cost (at 256 bins, windows of 64
-                          inserts added 145 ns per insert, 128 add 50)
+    WINDOW = max(MIN_WINDOW, capacity // 600) ticks: the width of an age bin
+                          (windows_per_capacity = 600), so the horizon,
+                          BINS * WINDOW, is about capacity / 4.7 requests
+                          (4,200 at 20,000 blocks; the study's is 4,096): a
+                          bigger tier keeps blocks longer, in requests
+    MIN_WINDOW = 4        ticks (two requests): the tiny synthetic tiers
+                          (100-500 blocks) want windows of a few requests
+    REBUILD_TICKS = 16    the densities are rebuilt every ceil(16 / WINDOW)
+                          windows: a rebuild costs O(CLASSES x BINS), and in
+                          a small tier one per window was most of the cost
     GHOST = 8 * capacity  ghost entries (rounded up to whole sets of WAYS)
     WAYS = 8              ghost associativity
     DECAY_SHIFT = 7       the tables keep 1 - 2**-7 of their weight per window
     ONE = 1 << 16         one event, in the tables' fixed point
 
-Clock. ``tick`` counts ``on_insert`` calls (blocks entering the tier: in
-steady state one per eviction, so ages are measured in cache turnover and
-the horizon matches the ghost's reach whatever the request mix). A block
-stores ``stamp``, the tick of its last use (insert or hit); ages are in
-*windows*: ``cur_win = tick // WINDOW``, a block's window is ``win = stamp
-// WINDOW`` and its age bin ``bin(cur_win - win)``, where ``bin(a) = min(a,
-BINS - 1)``. The window advances (and the tables are rebuilt, below) inside
-the ``on_insert`` whose tick reaches it, before anything else it does.
+Clock. ``tick`` is the caller's clock: the latest ``now`` of ``on_insert`` and
+``on_hit`` (the manager's: two ticks per request). A block stores
+``stamp``, the tick of its last use (insert or hit); ages are in *windows*:
+``cur_win = tick // WINDOW``, a block's window is ``win = stamp // WINDOW``
+and its age bin ``bin(cur_win - win)``, where ``bin(a) = min(a, BINS - 1)``.
+``on_insert`` and ``on_hit`` first move the clock to ``now`` (never back):
+each window it passes is one *advance* (below), in order; when it passes
+more than BINS windows (an idle tier), ``cur_win`` first jumps to ``target -
+BINS`` and the last BINS advances are made (each splices the ring slot of
+the window reaching the last bin: BINS of them cover every slot, so every
+leaf ends in the old lists; the slot may then hold a window older than that
+one). Why requests, not insertions (the clock until issue 41): with ends
+counted at eviction (below), an insertion clock lost 9-14% of the hits on
+the think workload at its 50% and 75% points (a miss that inserts a long
+conversation ages every block as much as dozens of turns); the study ages
+in requests.
 
 Per block (node fields in C): ``cls`` (u8) and ``stamp`` (u64), plus its
 leaf-list links.
@@ -96,59 +106,45 @@ Tables, per class c and age bin b: ``hits[c][b]`` and ``ends[c][b]``
 
 - hit: ``on_hit`` of a block of class c: ``hits[c][bin(cur_win - win)] +=
   ONE``; then ``cls = min(c + 1, CLASSES - 1)``, ``stamp = tick``.
-- ghost return: ``on_insert`` of a key the ghost holds with (c, w):
-  ``hits[c][bin(cur_win - w)] += ONE``, the entry is cleared, and the block
+- end, at eviction: ``on_evict`` of a block of class c: ``ends[c][BINS - 1]
+  += ONE`` (not reused within the horizon, until the ghost says otherwise),
+  and the ghost remembers it (an entry it overwrites was counted so
+  already).
+- ghost return: ``on_insert`` of a key the ghost holds with (c, w): the
+  entry is cleared; if its age ``a = (cur_win - w) & 0xFFF`` is below BINS -
+  1 (reused within the horizon), ``hits[c][a] += ONE`` and ``ends[c][BINS -
+  1] -= min(ONE, ends[c][BINS - 1])`` (the end is taken back); the block
   starts with ``cls = min(c + 1, CLASSES - 1)``. Otherwise ``cls = 0``.
-  Either way ``stamp = tick`` (after the tick).
-- end: the ghost overwrites an entry (c, w) to make room, or lets it
-  expire: ``ends[c][bin(cur_win - w)] += ONE``: that block was not reused
-  within the ghost's reach, or long after its class's reuses ran out.
-  Expiry: before ``on_evict`` writes its key's set, every entry of that set
-  whose age ``(cur_win - w) & 0xFFF`` exceeds ``expire_after[c]`` is
-  cleared and counted as an end, in way order; ``expire_after[c] = 2 *
-  cap`` (the class's end cap, below) as of the last rebuild, and never for
-  a class with no hits then (nor before the first rebuild). Why: a ghost of
-  8x the capacity starts overwriting only after 8x the capacity in
-  evictions; with ends counted only then, never-reused blocks looked as
-  good as any until then, and one-off prompts pushed conversations out (4-7%
-  of the hits on the scan workload at its 20% and 50% points). Expiring at
-  the cap itself, rather than twice it, cost the think workload 1% at its
-  50% point. (Ends are not counted at eviction, as LHD does: a
-  returning block's reuse age, seen through the ghost, lies past its
-  eviction, so the tables would mix "as kept" hits with "as evicted" ends,
-  and old survivors would look dense; that lost 7% to LRU on the synthetic
-  workload, and counting each eviction as an end until the block returns
-  lost 9% on think.)
+  Either way ``stamp = tick``.
 
-Rebuild, each time ``cur_win`` advances (every WINDOW ticks, O(CLASSES x
-BINS)): first every counter ``x -= x >> DECAY_SHIFT``; then per class, the
-end cap: ``cap = min(b + 1, BINS - 1)`` for the smallest ``b`` such that
-``hits[c][b+1:]`` sums to at most ``sum(hits[c]) >> 6`` (the bin just past
-where the class's reuses run out); then from the last bin down::
+This is the study's accounting. Until issue 41 the policy counted an end
+only when the ghost forgot an entry (overwrite, or an expiry at twice the
+age where its class's reuses ran out), at the entry's age: on the Mooncake
+conversation trace a 3,000-request slice ends before many entries are
+forgotten, blocks evicted and never back were hardly counted, and the
+policy fell to 0.88-0.92x of the study at 55,000 blocks.
 
-    H += hits[c][b]
-    E += hits[c][b] + (sum(ends[c][cap:]) if b == cap else ends[c][b] if b < cap else 0)
-    L += E
-    density[c][b] = (H << 32) // L   if L else 0     (exact; H <= L)
+Advance (one window): ``cur_win += 1``; the ring slot of the window that
+reaches the last bin is spliced into the old lists (Leaf set, below); then,
+when ``cur_win % ceil(REBUILD_TICKS / WINDOW) == 0``, the rebuild: every
+counter ``x -= x >> DECAY_SHIFT`` as many times as windows since the last
+rebuild, then per class the densities, then ``ranks``. Other windows only
+reset the cursor (every list moved one bin on). The density of age bin a
+is the most hits per unit of space-time over every horizon A at which a
+block of age a could be dropped (held until reused or age A)::
 
-and last ``density[c][BINS - 1] = 0``, ``expire_after[c] = 2 * cap if H else
-never``. L is the expected remaining lifetime
-in bins, summed (LHD's ``lifetimeUnconditioned``). In C, do the rebuild in
-``unsigned __int128``: a cell holds up to ~2**23 x the events of a window,
-L sums BINS**2 of them and ``H << 32`` needs 32 bits more; the densities,
-at most 2**32, fit in u64. Why the two special cases:
+    density[c][a] = max over a < A <= BINS - 1 of
+                    (sum(hits[c][a:A]) << 32) // (U[A] - U[a])   (0 if U[A] = U[a])
 
-- The cap: the ghost sees a block that never came back end only at its
-  reach (~8x the capacity in ticks), but the policy drops such a block
-  once its class stops being reused. Counted at the reach, never-reused
-  blocks looked costlier and costlier as the run went on (over 30K
-  think-time requests the gain over LRU fell from 1.7x to 1.2x once the
-  ghost was full). The cap depends on the reuses alone, not on what the
-  policy evicted, so it cannot feed back on itself.
-- The last bin holds every age past the horizon, so its events would
-  count as one bin of lifetime and make stale leaves look densest (a
-  ghost return can be older than the ghost's reach: its age includes the
-  time the block was cached). A leaf past the horizon goes first.
+where ``U[A]`` sums, over the bins b < A, the events (hits and ends) at bin
+b or later (so ``U[A] - U[a]`` is the space-time, in bins, of holding every
+block of age a until its event or age A); and ``density[c][BINS - 1] = 0``
+(the last bin lumps every age past the horizon: a leaf there goes first).
+The maximum is the slope from point a to the upper hull of the points (U,
+prefix hits) past it: built from the last bin down on a stack, popping the
+top while the slope from a to it is at most the slope from a to the one
+below, O(BINS) per class. In C the sums are ``unsigned __int128``; the
+densities, at most 2**32, fit in u64.
 
 ``ranks``: every (c, b) sorted by ``(density, -b, c)``: lowest density
 first; ties take the older bin, then the lower class. With empty tables
@@ -161,19 +157,20 @@ Leaf set: bucketed lists, each a doubly linked list in C with a head
 class, slot ``w % (BINS - 1)``); ``old[c]`` holds class c's older leaves.
 ``add_leaf`` picks ``old[c]`` when ``cur_win - win >= BINS - 1``, else
 ``bucket[c][win]``, and links the leaf at the tail, unless the list is not
-empty and its stamp is below the tail's: then at the head. (A leaf freed by
+empty and its stamp is at most the tail's: then at the head. (A leaf freed by
 a request is the youngest; a parent uncovered by evicting its child is
-older than what it joins, and goes next: a branch is evicted tail first,
-and within a list the order is LRU's.) ``remove_leaf`` unlinks. When the
-window advances, ``bucket[c][cur_win - (BINS - 1)]`` is spliced onto the
-tail of ``old[c]`` for each c (younger than all of it), before the
-rebuild. ``victim()`` walks ``ranks`` and unlinks the head of the first
+no younger than what it joins (the same request's blocks share a tick),
+and goes next: a branch is evicted tail first, and within a list the order
+is LRU's.) ``remove_leaf`` unlinks. When the window advances, the ring
+slot of window ``cur_win - (BINS - 1)`` is spliced onto the tail of
+``old[c]`` for each c (younger than all of it), before the rebuild. ``victim()`` walks ``ranks`` and unlinks the head of the first
 non-empty list (bin b < BINS - 1: ``bucket[c][cur_win - b]``, else
 ``old[c]``). A cursor makes it O(1) amortised: every rank below ``cursor``
-has an empty list; ``add_leaf`` lowers it to the leaf's rank, a rebuild
+has an empty list; ``add_leaf`` lowers it to the leaf's rank, an advance
 resets it to 0, ``victim()`` resumes from it and leaves it at the rank it
 took from (``len(ranks)`` when it found nothing). So each operation is
-O(1), plus O(CLASSES x BINS) per window of WINDOW insertions.
+O(1), plus O(CLASSES x BINS) per rebuild and O(ranks) per window (the walk
+restarts).
 
 Ghost: ``GHOST / WAYS`` sets of WAYS 32-bit entries, 0 = empty. A key maps
 to ``h = splitmix64(key)``, set ``(h >> 32) % sets``, fingerprint
@@ -181,11 +178,14 @@ to ``h = splitmix64(key)``, set ``(h >> 32) % sets``, fingerprint
 0xFFF)``, and its age in windows is ``(cur_win - win) & 0xFFF``. Lookup
 (``on_insert``): the first way with the fingerprint. Insert (``on_evict``):
 the first empty way, else the way with the greatest age (first on ties),
-whose entry ends. 4 bytes per entry: 32 bytes per cached block at 8x
-(plus a count of entries held, and ``ghost_hits``, the inserts the ghost
-remembered: what status and metrics show). A false match (~WAYS / 65536 per insert) only adds a spurious hit to the
-tables; ages alias only if a set saw no insert for 4096 windows (128 x the
-capacity in insertions), which a full cache cannot do.
+which is overwritten (its end was counted at eviction). 4 bytes per entry:
+32 bytes per cached block at 8x (plus a count of entries held, and
+``ghost_hits``, the inserts the ghost remembered: what status and metrics
+show). A false match (~WAYS / 65536 per insert) only adds a spurious hit to
+the tables. Ages alias if a set saw no insert for 4096 windows (about 16x
+the horizon): in a tier that evicts less than about one block per four
+requests, a block back after that long can count as a young reuse, a
+spurious hit.
 """
 
 from __future__ import annotations
@@ -266,13 +266,13 @@ class AdaptiveParams:
 
     classes: int = 4
     bins: int = 256
-    windows_per_capacity: int = 32  # WINDOW = capacity // this
+    windows_per_capacity: int = 600  # WINDOW = capacity // this clock ticks
     ghost_factor: int = 8  # ghost entries per block of capacity
     ways: int = 8
     decay_shift: int = 7
     ghost_bits: int = 32  # a ghost entry's width: 8, 16 or 32
     ghost_win_bits: int = 12  # of which the window of last use (mod 2**this)
-    min_window: int = 128  # the fewest ticks per window (rebuilds are O(classes x bins))
+    min_window: int = 4  # the fewest ticks per window (rebuilds are O(classes x bins))
 
     def __post_init__(self) -> None:
         if not 1 <= self.classes <= 16:
@@ -307,7 +307,7 @@ class AdaptiveParams:
 
 
 ONE = 1 << 16  # one event in the tables' fixed point
-NEVER = MASK64  # no ghost entry of the class expires
+REBUILD_TICKS = 16  # the fewest clock ticks between two rebuilds of the densities
 _OLD = -1  # the bucket key of a class's old list (ages past the horizon)
 
 
@@ -362,24 +362,6 @@ class Ghost:
                 return self._unpack(e), e & self.win_mask
         return None
 
-    def expire(self, key: int, cur_win: int, after: list[int]) -> list[tuple[int, int]]:
-        """Clear the entries of ``key``'s set older than ``after[cls]`` windows;
-        returns their ``(cls, age)``, in way order."""
-        if not self.sets:
-            return []
-        base, _ = self._locate(key)
-        out = []
-        for i in range(base, base + self.ways):
-            e = self.table[i]
-            if not e:
-                continue
-            cls, age = self._unpack(e), (cur_win - (e & self.win_mask)) & self.win_mask
-            if age > after[cls]:
-                self.table[i] = 0
-                self.size -= 1
-                out.append((cls, age))
-        return out
-
     def put(self, key: int, cls: int, win: int, cur_win: int) -> tuple[int, int] | None:
         """Remember ``key``; returns ``(cls, age in windows)`` of the entry it
         overwrote, or None when a way was empty."""
@@ -410,16 +392,17 @@ class AdaptivePolicy:
             raise ValueError(f"capacity must be >= 1 block, got {capacity}")
         p = self.params = params or AdaptiveParams()
         self.window = max(p.min_window, capacity // p.windows_per_capacity)
+        self.rebuild_every = -(-REBUILD_TICKS // self.window)  # windows between rebuilds
         self.ghost = Ghost(p.ghost_factor * capacity, p.ways, p.ghost_bits, p.ghost_win_bits,
                            p.cls_bits)
-        self.tick = 0
+        self.tick = 0  # the caller's clock: the latest ``now``
+        self.inserts = 0  # on_insert calls (for metrics)
         self.cur_win = 0
         self.cls: dict[int, int] = {}  # per block (node fields in C): class,
         self.stamp: dict[int, int] = {}  # and the tick of its last use
         self.hits = [[0] * p.bins for _ in range(p.classes)]
         self.ends = [[0] * p.bins for _ in range(p.classes)]
         self.density = [[0] * p.bins for _ in range(p.classes)]
-        self.expire_after = [NEVER] * p.classes  # ghost age past which an entry ends
         # (class, window or _OLD) -> leaves, oldest first (a doubly linked list in C)
         self.buckets: dict[tuple[int, int], OrderedDict[int, None]] = {}
         self.where: dict[int, tuple[int, int]] = {}  # leaf -> its bucket key
@@ -428,20 +411,24 @@ class AdaptivePolicy:
 
     # ----------------------------------------------------------- events
     def on_insert(self, key: int, depth: int, now: int) -> None:
-        self.tick += 1
-        if self.tick // self.window != self.cur_win:
-            self._advance()
+        self._clock(now)
+        self.inserts += 1
         back = self.ghost.take(key)
         if back is None:
             self.cls[key] = 0
         else:
             c, w = back
             self.ghost_hits += 1
-            self._count(self.hits, c, (self.cur_win - w) & self.ghost.win_mask)
+            age = (self.cur_win - w) & self.ghost.win_mask
+            last = self.params.bins - 1
+            if age < last:  # reused within the horizon: a hit, and no end after all
+                self.hits[c][age] += ONE
+                self.ends[c][last] -= min(ONE, self.ends[c][last])
             self.cls[key] = min(c + 1, self.params.classes - 1)
         self.stamp[key] = self.tick
 
     def on_hit(self, key: int, now: int) -> None:
+        self._clock(now)
         leaf = key in self.where
         if leaf:
             self.remove_leaf(key)
@@ -454,12 +441,9 @@ class AdaptivePolicy:
 
     def on_evict(self, key: int) -> None:
         assert key not in self.where, f"{key:#x} evicted while listed as a leaf"
-        win = self.stamp.pop(key) // self.window
-        for ended in self.ghost.expire(key, self.cur_win, self.expire_after):
-            self._count(self.ends, *ended)
-        ended = self.ghost.put(key, self.cls.pop(key), win, self.cur_win)
-        if ended is not None:
-            self._count(self.ends, *ended)
+        win, c = self.stamp.pop(key) // self.window, self.cls.pop(key)
+        self._count(self.ends, c, self.params.bins - 1)  # until the ghost sees it return
+        self.ghost.put(key, c, win, self.cur_win)
 
     def _count(self, table: list[list[int]], c: int, age: int) -> None:
         table[c][min(age, self.params.bins - 1)] += ONE
@@ -474,7 +458,7 @@ class AdaptivePolicy:
         bucket = self.buckets.get(where)
         if bucket is None:
             bucket = self.buckets[where] = OrderedDict()
-        if bucket and stamp < self.stamp[next(reversed(bucket))]:
+        if bucket and stamp <= self.stamp[next(reversed(bucket))]:
             bucket[key] = None  # older than the youngest: an exposed parent, next to go
             bucket.move_to_end(key, last=False)
         else:
@@ -509,12 +493,35 @@ class AdaptivePolicy:
         return set(self.where)
 
     # ---------------------------------------------------------- tables
+    def _clock(self, now: int) -> None:
+        """The caller's clock reached ``now``: the windows it passed go by, each
+        one ``_advance``. A gap of more than BINS windows (an idle tier) is cut
+        to its last BINS: enough to move every bucket to the old lists."""
+        self.tick = max(self.tick, now)
+        target = self.tick // self.window
+        if target - self.cur_win > self.params.bins:
+            self.cur_win = target - self.params.bins
+            # C keeps a ring of BINS - 1 slots: a bucket goes to the old lists
+            # when the first advance reaches its slot. Key each bucket by that
+            # advance's window.
+            last = self.params.bins - 1
+            lo = self.cur_win + 1 - last  # the first advance's window
+            for c, w in [k for k in self.buckets if k[1] != _OLD and k[1] < lo]:
+                a = w + (lo - w + last - 1) // last * last
+                bucket = self.buckets[(c, a)] = self.buckets.pop((c, w))
+                for key in bucket:
+                    self.where[key] = (c, a)
+        while self.cur_win < target:
+            self._advance()
+
     def _advance(self) -> None:
-        """A new window: the buckets that just reached the last bin join the old
-        ones (younger than all they hold: at the end); the tables decay and
-        are ranked again."""
+        """A new window: the bucket of the window that just reached the last bin
+        joins the old ones (younger than all they hold: at the end; after a cut
+        gap, the bucket of the older window in its ring slot, keyed so by
+        ``_clock``); then the rebuild."""
         self.cur_win += 1
-        aged = self.cur_win - (self.params.bins - 1)
+        last = self.params.bins - 1
+        aged = self.cur_win - last
         for c in range(self.params.classes):
             bucket = self.buckets.pop((c, aged), None)
             if bucket:
@@ -525,47 +532,49 @@ class AdaptivePolicy:
         self._rebuild()
 
     def _rebuild(self) -> None:
+        """Every ``rebuild_every`` windows: the decay of each window since the last
+        rebuild, then the densities and ranks. Between rebuilds the ranks stand,
+        and the victim walk restarts (every bucket moved one bin on)."""
+        if self.cur_win % self.rebuild_every:
+            self.cursor = 0
+            return
         last, shift = self.params.bins - 1, self.params.decay_shift
         for c in range(self.params.classes):
-            hits, ends, dens = self.hits[c], self.ends[c], self.density[c]
-            for b in range(last + 1):
-                hits[b] -= hits[b] >> shift
-                ends[b] -= ends[b] >> shift
-            cap = self._end_cap(hits)
-            h = e = life = 0
-            for b in range(last, -1, -1):
-                h += hits[b]
-                e += hits[b]
-                if b == cap:  # every end at or past the cap counts here
-                    e += sum(ends[cap:])
-                elif b < cap:
-                    e += ends[b]
-                life += e
-                dens[b] = (h << 32) // life if life else 0
-            # The last bin lumps every age past the horizon together, so its
-            # events look one bin away: unknown, not dense. Evict it first.
-            dens[last] = 0
-            # A ghost entry twice as old as the class's reuses run is as good
-            # as ended: counting it now, not when the ghost overwrites it
-            # (8x the capacity in evictions later), lets the tables see
-            # never-reused blocks from the start.
-            self.expire_after[c] = 2 * cap if h else NEVER
+            hits, ends = self.hits[c], self.ends[c]
+            for _ in range(self.rebuild_every):
+                for b in range(last + 1):
+                    hits[b] -= hits[b] >> shift
+                    ends[b] -= ends[b] >> shift
+            self._densities(hits, ends, self.density[c])
         self._rank()
 
-    def _end_cap(self, hits: list[int]) -> int:
-        """The bin just past where a class's reuses run out (the oldest bins that
-        hold at most 1/64 of its hits are past it). A block that never came back
-        is counted as ended there: the ghost saw it end only at its reach,
-        but the policy drops such a block once its class stops being reused, and
-        counting it at the reach made never-reused blocks look costlier the
-        longer the run (the ratio to LRU fell from 1.7x to 1.2x over 30K
-        think-time requests)."""
-        last = self.params.bins - 1
-        tail, budget, b = 0, sum(hits) >> 6, last
-        while b > 0 and tail + hits[b] <= budget:
-            tail += hits[b]
-            b -= 1
-        return min(b + 1, last)
+    @staticmethod
+    def _densities(hits: list[int], ends: list[int], dens: list[int]) -> None:
+        """``dens[a] = max over A in (a, last] of (hits in [a, A)) << 32 // (space-time
+        of holding every block of age a until reused or age A)``: the space-time is
+        ``U[A] - U[a]``, ``U[A]`` summing, over the bins before A, the events (hits
+        and ends) at or past each. The maximum is the slope from point a to the
+        upper hull of the points past it (built from the last bin down, a stack:
+        O(bins)); ``dens[last] = 0``."""
+        last = len(hits) - 1
+        alive = sum(hits) + sum(ends)  # events at or past bin b
+        ph, u = [0] * (last + 1), [0] * (last + 1)  # Ph[A], U[A]
+        for b in range(last):
+            ph[b + 1] = ph[b] + hits[b]
+            u[b + 1] = u[b] + alive
+            alive -= hits[b] + ends[b]
+
+        def slope(a: int, b: int) -> int:
+            du = u[b] - u[a]
+            return ((ph[b] - ph[a]) << 32) // du if du else 0
+
+        hull = [last]
+        for a in range(last - 1, -1, -1):
+            while len(hull) > 1 and slope(a, hull[-1]) <= slope(a, hull[-2]):
+                hull.pop()
+            dens[a] = slope(a, hull[-1])
+            hull.append(a)
+        dens[last] = 0
 
     def _rank(self) -> None:
         p = self.params

@@ -141,7 +141,10 @@ class TreeCache:
         self.evictions = 0
 
     def serve(self, req: BlockRequest, now: int) -> int:
-        """Allocate, commit, free ``req``; returns its hit blocks, or -1 if rejected."""
+        """Allocate, commit, free ``req``; returns its hit blocks, or -1 if rejected.
+        The clock as a manager's: allocate matches at ``now`` and ticks, commit
+        runs at ``now + 1``, free ticks again (the next request's ``now`` is
+        ``now + 2``)."""
         path = self._match(req)
         need = req.blocks_needed - len(path)
         if need > self.capacity - len(path):  # free + unreferenced blocks
@@ -154,7 +157,7 @@ class TreeCache:
             policy.on_hit(node.key, now)
         self._evict(need)
         hits = len(path)
-        self._commit(req, path, now)
+        self._commit(req, path, now + 1)
         for node in reversed(path):  # free
             node.ref -= 1
             if node.ref == 0 and node.children == 0:
@@ -223,11 +226,12 @@ class TreeCache:
 
 def simulate(requests: Sequence[BlockRequest], capacity: int, policy: Policy,
              per_request: bool = False, check_every: int = 0) -> SimResult:
-    """Replay ``requests`` in order (request ``i`` at ``now = i``)."""
+    """Replay ``requests`` in order (request ``i`` allocates at ``now = 2 i``, commits
+    at ``2 i + 1``: a manager's clock, one tick per allocate and per free)."""
     cache = TreeCache(capacity, policy)
     res = SimResult(per_request=[] if per_request else None)
     for i, req in enumerate(requests):
-        hits = cache.serve(req, i)
+        hits = cache.serve(req, 2 * i)
         if hits < 0:
             res.rejected += 1
         else:

@@ -127,7 +127,7 @@ typedef struct {
 typedef struct {
     int32_t classes, bins, windows_per_capacity, ghost_factor, ways, decay_shift;
     int32_t ghost_bits, ghost_win_bits; /* a ghost entry's width, and its window's bits */
-    int32_t min_window;                 /* the fewest inserts per window */
+    int32_t min_window;                 /* the fewest clock ticks per window */
 } pol_params_t;
 
 typedef struct {
@@ -142,10 +142,12 @@ typedef struct {
 typedef struct {
     pol_params_t prm;
     uint64_t window;        /* ticks per age bin */
-    uint64_t tick, cur_win; /* on_insert calls; tick / window */
+    uint64_t rebuild_every; /* windows between rebuilds of the densities */
+    uint64_t tick, cur_win; /* the caller's clock (its latest now); tick / window */
+    int64_t inserts;        /* on_insert calls */
     uint64_t *hits, *ends;  /* [classes][bins], fixed point (ONE = one event) */
     uint64_t *density;      /* [classes][bins]: expected hits per lifetime, << 32 */
-    uint64_t expire_after[16]; /* per class: the ghost age past which an entry ends */
+    void *scratch;          /* a rebuild's sums and hull ([bins] u128 x 2, int32) */
     uint16_t *ranks;        /* rank -> c * bins + b, lowest density first */
     uint16_t *rank_of;      /* c * bins + b -> rank */
     uint64_t *keys;         /* the ranking as sort keys, kept for the next */
@@ -329,8 +331,8 @@ const char *pol_check_params(const pol_params_t *p); /* NULL when valid, else wh
 int pol_init(policy_t *p, int64_t capacity, const pol_params_t *params); /* -1: no memory */
 void pol_free(policy_t *p);
 int pol_reserve(policy_t *p, int32_t n); /* room for entries 0 .. n-1 (new ones zeroed) */
-void pol_on_insert(policy_t *p, int32_t i, uint64_t key);
-void pol_on_hit(policy_t *p, int32_t i);
+void pol_on_insert(policy_t *p, int32_t i, uint64_t key, uint64_t now);
+void pol_on_hit(policy_t *p, int32_t i, uint64_t now);
 void pol_add_leaf(policy_t *p, int32_t i);
 void pol_remove_leaf(policy_t *p, int32_t i);
 int32_t pol_victim(policy_t *p); /* NIL when no leaf */
@@ -370,5 +372,6 @@ static inline uint64_t node_key(const core_t *c, int32_t i) {
 /* The policy call log (tests): ops, as in tests/reference/policy.py Recorder. */
 enum { PL_INSERT = 1, PL_HIT, PL_ADD, PL_REMOVE, PL_VICTIM, PL_EVICT };
 void pol_log(core_t *c, int t, int op, uint64_t key);
+void pol_log_at(core_t *c, int t, int op, uint64_t key, uint64_t now);
 
 #endif /* KVC_CORE_H */

@@ -172,7 +172,8 @@ int heap_peek_key(const leafheap_t *h, uint64_t *hi, uint64_t *lo) {
  * policy the heaps stay empty (every position NIL) and last_access is
  * still stamped (it is cheap, and the snapshot shows it). */
 
-void pol_log(core_t *c, int t, int op, uint64_t key) {
+/* The head word: clock << 24 | tier << 8 | op (bit 16: no key). */
+void pol_log_at(core_t *c, int t, int op, uint64_t key, uint64_t now) {
     if (c->n_pol_log + 2 > c->pol_log_cap) {
         int32_t cap = c->pol_log_cap ? c->pol_log_cap * 2 : 1024;
         int64_t *grown = realloc(c->pol_log, sizeof(int64_t) * (size_t)cap);
@@ -180,9 +181,11 @@ void pol_log(core_t *c, int t, int op, uint64_t key) {
         c->pol_log = grown;
         c->pol_log_cap = cap;
     }
-    c->pol_log[c->n_pol_log++] = (int64_t)(t << 8 | op);
+    c->pol_log[c->n_pol_log++] = (int64_t)(now << 24 | (uint64_t)(t << 8 | op));
     c->pol_log[c->n_pol_log++] = (int64_t)key;
 }
+
+void pol_log(core_t *c, int t, int op, uint64_t key) { pol_log_at(c, t, op, key, 0); }
 
 #define LOG(c, t, op, i)                                               \
     do {                                                               \
@@ -254,8 +257,8 @@ void pol_sync_slow(core_t *c, int32_t i) {
         int has = (t == T_GPU ? n->gpu : n->cpu) >= 0;
         if (has == pol_tracked(p, i)) continue;
         if (has) {
-            pol_on_insert(p, i, node_key(c, i));
-            LOG(c, t, PL_INSERT, i);
+            pol_on_insert(p, i, node_key(c, i), c->clock);
+            if (c->pol_log_on) pol_log_at(c, t, PL_INSERT, node_key(c, i), c->clock);
         } else {
             leaves_remove(c, t, i);
             pol_on_evict(p, i, node_key(c, i));

@@ -78,8 +78,8 @@ static inline void pol_hit(core_t *c, int t, int32_t i) {
     policy_t *p = c->pol[t];
     if (p == NULL) return;
     leaves_remove(c, t, i);
-    pol_on_hit(p, i);
-    if (c->pol_log_on) pol_log(c, t, PL_HIT, node_key(c, i));
+    pol_on_hit(p, i, c->clock);
+    if (c->pol_log_on) pol_log_at(c, t, PL_HIT, node_key(c, i), c->clock);
 }
 
 /* Change a node's state and copies (KEEP leaves one as it is). */

@@ -7,20 +7,23 @@
  *
  * - Each leaf is ranked by the expected hits per unit of cache space-time
  *   of blocks of its class (how often it was used) at its age (windows since
- *   its last use), learned online (LHD); the lowest goes first.
+ *   its last use, on the caller's clock: the manager's, two ticks per
+ *   request), learned online (LHD) and maximised over the age at which it
+ *   would be dropped; the lowest goes first.
  * - Leaves sit in lists per (class, window of last use): a ring of the bins-1
  *   youngest windows per class, then one "old" list per class. Within a list
  *   the order is LRU's, and a parent uncovered by evicting its child goes to
  *   the head (next), so a branch goes tail first.
  * - `ranks` orders the (class, age bin) cells by density; victim() walks it
  *   from a cursor below which every list is empty: O(1) amortised.
- * - The tables decay and are rebuilt each window (every `window` inserts),
- *   O(classes x bins), in 128-bit arithmetic.
- * - The ghost remembers evicted keys (set-associative, a fingerprint, the
- *   class and the window of last use per entry), so a block that comes back
- *   after eviction teaches the tables its reuse age and is promoted. An
- *   entry ends (counts as "never reused") when the ghost overwrites it, or
- *   once it is twice as old as its class's reuses run.
+ * - The tables decay each window (capacity / 600 ticks, at least 4) and are
+ *   rebuilt at least 16 ticks apart, O(classes x bins), in 128-bit
+ *   arithmetic.
+ * - Every eviction counts as an end ("not reused within the horizon") and
+ *   the ghost remembers the key (set-associative, a fingerprint, the class
+ *   and the window of last use per entry); a block that comes back within
+ *   the horizon takes its end back, teaches the tables its reuse age and is
+ *   promoted.
  *
  * Per entry: pnode_t (16 bytes): list links, and stamp, class, listed and
  * tracked packed in one word. Everything is integer arithmetic; every tie has
@@ -31,6 +34,7 @@
 #include "core.h"
 
 #define ONE (1ULL << 16) /* one event in the tables' fixed point */
+#define REBUILD_TICKS 16 /* the fewest clock ticks between two rebuilds of the densities */
 #define STAMP_MASK ((1ULL << 56) - 1)
 #define CLS_SHIFT 56
 
@@ -40,8 +44,8 @@ static inline int cls_of(const pnode_t *n) { return (int)((n->meta >> CLS_SHIFT)
 void pol_default_params(pol_params_t *p) {
     p->classes = 4;
     p->bins = 256;
-    p->windows_per_capacity = 32;
-    p->min_window = 128;
+    p->windows_per_capacity = 600;
+    p->min_window = 4;
     p->ghost_factor = 8;
     p->ways = 8;
     p->decay_shift = 7;
@@ -202,7 +206,7 @@ void pol_add_leaf(policy_t *p, int32_t i) {
     uint64_t stamp = stamp_of(n);
     int32_t bin, L = list_of(p, c, stamp, &bin);
     plist_t *l = &p->lists[L];
-    if (l->tail != NIL && stamp < stamp_of(&p->pnode[l->tail])) {
+    if (l->tail != NIL && stamp <= stamp_of(&p->pnode[l->tail])) {
         /* older than the youngest: an exposed parent, next to go */
         n->prev = NIL;
         n->next = l->head;
@@ -234,13 +238,18 @@ void pol_remove_leaf(policy_t *p, int32_t i) {
 
 int32_t pol_victim(policy_t *p) {
     int32_t bins = p->prm.bins, last = bins - 1;
+    /* the walk restarts after every window: no division per rank (the cell
+     * from its sort key, the ring slot from the current window's) */
+    int32_t now_slot = (int32_t)(p->cur_win % (uint64_t)last);
     for (int32_t r = p->cursor; r < p->n_ranks; r++) {
-        int32_t cb = p->ranks[r], c = cb / bins, b = cb % bins, L;
+        uint64_t k = p->keys[r];
+        int32_t c = (int32_t)(k & 0xF), b = last - (int32_t)((k >> 4) & 0x7FF), L;
         if (b == last) {
             L = c * bins + last;
         } else {
             if (p->cur_win < (uint64_t)b) continue; /* no such window yet */
-            L = c * bins + (int32_t)((p->cur_win - (uint64_t)b) % (uint64_t)last);
+            int32_t slot = now_slot - b;
+            L = c * bins + (slot < 0 ? slot + last : slot);
         }
         plist_t *l = &p->lists[L];
         if (l->head != NIL) {
@@ -281,6 +290,11 @@ int64_t pol_order(const policy_t *p, int32_t *out) {
  * the keys are insertion-sorted. Every cell decays alike each window, so the
  * order barely moves and the sort is about one pass (a full sort was most of
  * a rebuild in a small tier, whose windows are a few inserts long). */
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
 static void rank_cells(policy_t *p) {
     int32_t bins = p->prm.bins, last = bins - 1, n = p->n_ranks;
     uint64_t *keys = p->keys;
@@ -289,12 +303,18 @@ static void rank_cells(policy_t *p) {
         int32_t c = (int32_t)(cell & 0xF), b = last - (int32_t)(cell >> 4);
         keys[r] = p->density[c * bins + b] << 15 | cell;
     }
-    for (int32_t r = 1; r < n; r++) {
+    /* keys are distinct (each holds its cell), so any sort gives one order:
+     * insertion while the order barely moved, else qsort (in a small tier
+     * the densities of a rebuild can reorder most cells) */
+    int64_t moves = 0, budget = 16 * (int64_t)n;
+    for (int32_t r = 1; r < n && moves <= budget; r++) {
         uint64_t k = keys[r];
         int32_t j = r;
         for (; j > 0 && keys[j - 1] > k; j--) keys[j] = keys[j - 1];
         keys[j] = k;
+        moves += r - j;
     }
+    if (moves > budget) qsort(keys, (size_t)n, sizeof *keys, cmp_u64);
     for (int32_t r = 0; r < n; r++) {
         int32_t c = (int32_t)(keys[r] & 0xF), b = last - (int32_t)((keys[r] >> 4) & 0x7FF);
         p->ranks[r] = (uint16_t)(c * bins + b);
@@ -305,58 +325,63 @@ static void rank_cells(policy_t *p) {
 
 typedef unsigned __int128 u128;
 
-/* The bin just past where a class's reuses run out: the oldest bins that hold
- * at most 1/64 of its hits lie past it. */
-static int32_t end_cap(const uint64_t *hits, int32_t bins) {
-    int32_t last = bins - 1, b = last;
-    u128 total = 0, tail = 0;
-    for (int32_t k = 0; k < bins; k++) total += hits[k];
-    u128 budget = total >> 6;
-    while (b > 0 && tail + hits[b] <= budget) {
-        tail += hits[b];
-        b--;
-    }
-    return b + 1 < last ? b + 1 : last;
-}
-
 /* (h << 32) / life: in 64 bits where it fits (a 128-bit division is a
- * library call, and a rebuild makes one per cell). */
+ * library call, and a rebuild makes up to three per cell). */
 static inline uint64_t density_of(u128 h, u128 life) {
     if ((h >> 32) == 0 && (life >> 64) == 0) return ((uint64_t)h << 32) / (uint64_t)life;
     return (uint64_t)((h << 32) / life);
 }
 
+/* The densities of one class: dens[a] = max over A in (a, last] of the hits
+ * in [a, A), << 32, over U[A] - U[a] (the space-time of holding every block
+ * of age a until it is reused or reaches A; U[A] sums, over the bins before
+ * A, the events at or past each): the slope from point a to the upper hull
+ * of the points past it, built from the last bin down on a stack. */
+static void densities(policy_t *p, const uint64_t *hits, const uint64_t *ends, uint64_t *dens) {
+    int32_t last = p->prm.bins - 1;
+    u128 *ph = p->scratch, *u = ph + p->prm.bins;
+    int32_t *hull = (int32_t *)(u + p->prm.bins), top = 0;
+    u128 alive = 0; /* events at or past bin b */
+    for (int32_t b = 0; b <= last; b++) alive += (u128)hits[b] + ends[b];
+    ph[0] = u[0] = 0;
+    for (int32_t b = 0; b < last; b++) {
+        ph[b + 1] = ph[b] + hits[b];
+        u[b + 1] = u[b] + alive;
+        alive -= (u128)hits[b] + ends[b];
+    }
+#define SLOPE(a, b) (u[b] > u[a] ? density_of(ph[b] - ph[a], u[b] - u[a]) : 0)
+    hull[0] = last;
+    for (int32_t a = last - 1; a >= 0; a--) {
+        while (top > 0 && SLOPE(a, hull[top]) <= SLOPE(a, hull[top - 1])) top--;
+        dens[a] = SLOPE(a, hull[top]);
+        hull[++top] = a;
+    }
+#undef SLOPE
+    dens[last] = 0;
+}
+
+/* Every `rebuild_every` windows (so at least
+ * REBUILD_TICKS clock ticks apart: in a small tier, whose windows are a few
+ * ticks, a rebuild per window was most of the policy's cost) the tables
+ * decay once per window since the last and the densities and ranks are
+ * rebuilt. Between rebuilds the ranks stand (cells are age
+ * bins: a leaf still moves through them as it ages), and the cursor restarts,
+ * since every list moved one bin on. */
 static void rebuild(policy_t *p) {
-    int32_t bins = p->prm.bins, last = bins - 1, shift = p->prm.decay_shift;
+    int32_t bins = p->prm.bins, shift = p->prm.decay_shift;
+    if (p->cur_win % p->rebuild_every != 0) {
+        p->cursor = 0;
+        return;
+    }
     for (int32_t c = 0; c < p->prm.classes; c++) {
         uint64_t *hits = p->hits + (size_t)c * bins, *ends = p->ends + (size_t)c * bins;
-        uint64_t *dens = p->density + (size_t)c * bins;
-        for (int32_t b = 0; b < bins; b++) {
-            hits[b] -= hits[b] >> shift;
-            ends[b] -= ends[b] >> shift;
-        }
-        int32_t cap = end_cap(hits, bins);
-        u128 capped = 0; /* every end at or past the cap counts at the cap */
-        for (int32_t b = cap; b < bins; b++) capped += ends[b];
-        u128 h = 0, e = 0, life = 0;
-        for (int32_t b = last; b >= 0; b--) {
-            h += hits[b];
-            e += hits[b];
-            if (b == cap) {
-                e += capped;
-            } else if (b < cap) {
-                e += ends[b];
+        for (uint64_t k = 0; k < p->rebuild_every; k++) {
+            for (int32_t b = 0; b < bins; b++) {
+                hits[b] -= hits[b] >> shift;
+                ends[b] -= ends[b] >> shift;
             }
-            life += e;
-            dens[b] = life ? density_of(h, life) : 0;
         }
-        /* the last bin lumps every age past the horizon: unknown, not dense */
-        dens[last] = 0;
-        /* a ghost entry twice as old as the class's reuses run is as good as
-         * ended: counted now, not when the ghost overwrites it (8x the
-         * capacity in evictions later), the tables see never-reused blocks
-         * from the start */
-        p->expire_after[c] = h ? 2 * (uint64_t)cap : UINT64_MAX;
+        densities(p, hits, ends, p->density + (size_t)c * bins);
     }
     rank_cells(p);
 }
@@ -386,14 +411,31 @@ static void advance(policy_t *p) {
 
 /* ------------------------------------------------------------- events */
 
-void pol_on_insert(policy_t *p, int32_t i, uint64_t key) {
-    p->tick++;
-    if (p->tick / p->window != p->cur_win) advance(p);
+/* The caller's clock reached `now`: the windows it passed go by (each one
+ * advance). A gap of more than `bins` windows (an idle tier) is cut to its
+ * last `bins`: those splice every ring slot into the old lists and decay the
+ * tables as far as anything older could matter, at a bounded cost. */
+static void clock_to(policy_t *p, uint64_t now) {
+    if (now > p->tick) p->tick = now;
+    uint64_t target = p->tick / p->window;
+    if (target - p->cur_win > (uint64_t)p->prm.bins) p->cur_win = target - (uint64_t)p->prm.bins;
+    while (p->cur_win < target) advance(p);
+}
+
+void pol_on_insert(policy_t *p, int32_t i, uint64_t key, uint64_t now) {
+    clock_to(p, now);
+    p->inserts++;
     int cls = 0, back;
     uint64_t win;
     if (ghost_take(p, key, &back, &win)) {
         p->ghost_hits++;
-        count(p, p->hits, back, (p->cur_win - win) & ((1ULL << p->prm.ghost_win_bits) - 1));
+        uint64_t age = (p->cur_win - win) & ((1ULL << p->prm.ghost_win_bits) - 1);
+        uint64_t last = (uint64_t)(p->prm.bins - 1);
+        if (age < last) { /* reused within the horizon: a hit, and no end after all */
+            size_t at = (size_t)back * (size_t)p->prm.bins;
+            p->hits[at + age] += ONE;
+            p->ends[at + last] -= p->ends[at + last] < ONE ? p->ends[at + last] : ONE;
+        }
         cls = back + 1 < p->prm.classes ? back + 1 : p->prm.classes - 1;
     }
     pnode_t *n = &p->pnode[i];
@@ -401,7 +443,8 @@ void pol_on_insert(policy_t *p, int32_t i, uint64_t key) {
     n->meta = (p->tick & STAMP_MASK) | (uint64_t)cls << CLS_SHIFT | PN_TRACKED;
 }
 
-void pol_on_hit(policy_t *p, int32_t i) {
+void pol_on_hit(policy_t *p, int32_t i, uint64_t now) {
+    clock_to(p, now);
     int leaf = pol_listed(p, i);
     if (leaf) pol_remove_leaf(p, i);
     pnode_t *n = &p->pnode[i];
@@ -413,34 +456,14 @@ void pol_on_hit(policy_t *p, int32_t i) {
     if (leaf) pol_add_leaf(p, i);
 }
 
-/* End the entries of the key's set that outlived their class (older than
- * its expire_after), in way order. */
-static void ghost_expire(policy_t *p, uint64_t key) {
-    if (p->sets == 0) return;
-    uint64_t base;
-    uint32_t fp;
-    g_locate(p, key, &base, &fp);
-    uint64_t wmask = (1ULL << p->prm.ghost_win_bits) - 1;
-    for (uint64_t k = base; k < base + (uint64_t)p->prm.ways; k++) {
-        uint32_t e = g_get(p, k);
-        if (e == 0) continue;
-        int cls = (int)((e >> p->prm.ghost_win_bits) & ((1u << p->cls_bits) - 1));
-        uint64_t age = (p->cur_win - (e & wmask)) & wmask;
-        if (age > p->expire_after[cls]) {
-            g_set(p, k, 0);
-            p->ghost_size--;
-            count(p, p->ends, cls, age);
-        }
-    }
-}
-
 void pol_on_evict(policy_t *p, int32_t i, uint64_t key) {
     pnode_t *n = &p->pnode[i];
     int end_cls;
     uint64_t end_age;
-    ghost_expire(p, key);
-    if (ghost_put(p, key, cls_of(n), stamp_of(n) / p->window, &end_cls, &end_age))
-        count(p, p->ends, end_cls, end_age);
+    /* an end (not reused within the horizon) until the ghost sees the block
+     * return; an entry the ghost overwrites was counted here */
+    count(p, p->ends, cls_of(n), (uint64_t)(p->prm.bins - 1));
+    ghost_put(p, key, cls_of(n), stamp_of(n) / p->window, &end_cls, &end_age);
     n->meta = 0;
     n->prev = n->next = NIL;
 }
@@ -466,6 +489,7 @@ int pol_init(policy_t *p, int64_t capacity, const pol_params_t *prm) {
     int32_t cells = prm->classes * prm->bins;
     int64_t w = capacity / prm->windows_per_capacity;
     p->window = (uint64_t)(w > prm->min_window ? w : prm->min_window);
+    p->rebuild_every = (REBUILD_TICKS + p->window - 1) / p->window;
     p->n_ranks = cells;
     p->cls_bits = bits_for(prm->classes - 1);
     p->fp_bits = prm->ghost_bits - p->cls_bits - prm->ghost_win_bits;
@@ -480,12 +504,12 @@ int pol_init(policy_t *p, int64_t capacity, const pol_params_t *prm) {
     p->keys = malloc(sizeof(uint64_t) * (size_t)cells);
     p->lists = malloc(sizeof(plist_t) * (size_t)cells);
     p->ghost = calloc((size_t)(p->sets * (uint64_t)prm->ways) + 1, (size_t)(prm->ghost_bits / 8));
+    p->scratch = malloc((sizeof(unsigned __int128) * 2 + sizeof(int32_t)) * (size_t)prm->bins);
     if (p->hits == NULL || p->ends == NULL || p->density == NULL || p->ranks == NULL ||
-        p->rank_of == NULL || p->keys == NULL || p->lists == NULL || p->ghost == NULL || pol_reserve(p, 1024) < 0) {
+        p->rank_of == NULL || p->keys == NULL || p->lists == NULL || p->ghost == NULL || p->scratch == NULL || pol_reserve(p, 1024) < 0) {
         pol_free(p);
         return -1;
     }
-    for (int32_t c = 0; c < 16; c++) p->expire_after[c] = UINT64_MAX;
     for (int32_t k = 0; k < cells; k++) {
         int32_t c = k / prm->bins, b = k % prm->bins;
         p->lists[k].head = p->lists[k].tail = NIL;
@@ -504,6 +528,7 @@ void pol_free(policy_t *p) {
     free(p->keys);
     free(p->lists);
     free(p->ghost);
+    free(p->scratch);
     free(p->pnode);
     memset(p, 0, sizeof *p);
 }

@@ -764,7 +764,8 @@ static PyObject *Core_drain_policy_log(PyObject *self, PyObject *unused) {
         int op = (int)(head & 0xFF), none = (head & 0x10000) != 0;
         PyObject *key = none ? Py_NewRef(Py_None)
                              : PyLong_FromUnsignedLongLong((uint64_t)c->pol_log[2 * k + 1]);
-        PyObject *t = key ? Py_BuildValue("isN", (int)((head >> 8) & 0xFF), PL_NAMES[op], key)
+        PyObject *t = key ? Py_BuildValue("isNK", (int)((head >> 8) & 0xFF), PL_NAMES[op], key,
+                                          (unsigned long long)((uint64_t)head >> 24))
                           : NULL;
         if (t == NULL) {
             Py_DECREF(out);
@@ -1046,7 +1047,7 @@ static PyMethodDef core_methods[] = {
     {"set_policy_log", Core_set_policy_log, METH_O,
      "set_policy_log(on): tests: record every call the core makes on its policies"},
     {"drain_policy_log", Core_drain_policy_log, METH_NOARGS,
-     "drain_policy_log() -> [(tier, method, key)]: the calls recorded since the last drain"},
+     "drain_policy_log() -> [(tier, method, key, clock)]: the calls recorded since the last drain"},
     {"drain_events", Core_drain_events, METH_NOARGS, "drain_events() -> [(stored, tier, hash)]"},
     {"snapshot", Core_snapshot, METH_NOARGS, "snapshot() -> dict: everything, as plain data"},
     {"find", Core_find, METH_O, "find(hash) -> node id or -1"},

@@ -79,7 +79,7 @@ PyObject *policy_tier_stats(const policy_t *p) {
     return Py_BuildValue(
         "{sLsLsLsLsLsLsLsKsKsL}", "ghost_entries", (long long)p->ghost_size, "ghost_slots",
         (long long)pol_ghost_slots(p), "ghost_bytes", (long long)pol_ghost_bytes(p), "ghost_hits",
-        (long long)p->ghost_hits, "inserts", (long long)p->tick, "hits", (long long)p->hits_seen,
+        (long long)p->ghost_hits, "inserts", (long long)p->inserts, "hits", (long long)p->hits_seen,
         "leaves", (long long)p->n_leaves, "node_bytes", (long long)(sizeof(pnode_t) * (size_t)p->cap),
         "window", (unsigned long long)p->window, "cur_win", (unsigned long long)p->cur_win,
         "table_bytes",
@@ -140,8 +140,8 @@ static int32_t slot_of(PolicyObject *o, PyObject *key) {
 
 static PyObject *Policy_on_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PolicyObject *o = POL(self);
-    uint64_t key;
-    if (parse_args(self, args, nargs, "on_insert(key, depth, now)", "K|OO", &key, NULL, NULL) < 0)
+    uint64_t key, now = o->p.tick;
+    if (parse_args(self, args, nargs, "on_insert(key, depth, now)", "K|OK", &key, NULL, &now) < 0)
         return NULL;
     int has = PyDict_Contains(o->slots, args[0]);
     if (has != 0) {
@@ -173,15 +173,16 @@ static PyObject *Policy_on_insert(PyObject *self, PyObject *const *args, Py_ssiz
     }
     Py_DECREF(v);
     o->keys[i] = key;
-    pol_on_insert(&o->p, i, key);
+    pol_on_insert(&o->p, i, key, now);
     Py_RETURN_NONE;
 }
 
 static PyObject *Policy_on_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (parse_args(self, args, nargs, "on_hit(key, now)", "O|O", NULL, NULL) < 0) return NULL;
+    uint64_t now = POL(self)->p.tick;
+    if (parse_args(self, args, nargs, "on_hit(key, now)", "O|K", NULL, &now) < 0) return NULL;
     int32_t i = slot_of(POL(self), args[0]);
     if (i < 0) return NULL;
-    pol_on_hit(&POL(self)->p, i);
+    pol_on_hit(&POL(self)->p, i, now);
     Py_RETURN_NONE;
 }
 
@@ -287,19 +288,8 @@ static PyObject *Policy_entry(PyObject *self, PyObject *key) {
 
 static PyObject *Policy_tables(PyObject *self, PyObject *unused) {
     const policy_t *p = &POL(self)->p;
-    PyObject *expire = PyList_New(p->prm.classes);
-    if (expire == NULL) return NULL;
-    for (int32_t c = 0; c < p->prm.classes; c++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(p->expire_after[c]);
-        if (v == NULL) {
-            Py_DECREF(expire);
-            return NULL;
-        }
-        PyList_SET_ITEM(expire, c, v);
-    }
-    return Py_BuildValue("{sNsNsNsN}", "hits", table_list(p, p->hits), "ends",
-                         table_list(p, p->ends), "density", table_list(p, p->density),
-                         "expire_after", expire);
+    return Py_BuildValue("{sNsNsN}", "hits", table_list(p, p->hits), "ends",
+                         table_list(p, p->ends), "density", table_list(p, p->density));
 }
 
 static PyObject *Policy_stats(PyObject *self, PyObject *unused) {
