@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,3 +84,45 @@ def rounded(obj, digits: int = 3):
 def emit(result: dict) -> None:
     """The final machine-readable line."""
     print(json.dumps(rounded(result)), flush=True)
+
+
+def run_child(script: str, argv: list[str], env: dict, timeout: float,
+              fork_server: str | None = None) -> int:
+    """``python script argv...`` with ``env``, its stdout and stderr on this
+    process's stderr (vLLM's processes write to stdout at any moment: results
+    travel in files); its exit code. With ``fork_server`` (the socket of the
+    tests' fork server, ``tests/vllm_forkserver.py``, a process that imported
+    vLLM once) the child is forked by that server instead of started, and
+    imports nothing again: the tests' smoke runs of the benchmarks pass
+    ``--fork-server`` (vLLM's import is ~9 s of each process here). Its
+    exit code, as ``subprocess.run``'s; raises ``subprocess.TimeoutExpired``."""
+    if fork_server is None:
+        return subprocess.run([sys.executable, script, *argv], stdout=sys.stderr,
+                              timeout=timeout, env=env).returncode
+    with tempfile.TemporaryDirectory(prefix="kvcached-bench-child-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        req = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": out, "stderr": err,
+               "script": os.path.abspath(script)}
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(fork_server)
+                conn.sendall(json.dumps(req).encode())
+                conn.shutdown(socket.SHUT_WR)
+                reader = conn.makefile("rb")
+                pid = int(reader.readline())
+                conn.settimeout(max(1.0, timeout))
+                try:
+                    line = reader.readline()  # the exit code, once the child is gone
+                except TimeoutError:
+                    os.killpg(pid, signal.SIGKILL)
+                    raise subprocess.TimeoutExpired([script, *argv], timeout) from None
+                reader.close()
+        finally:
+            for path in (out, err):  # the child's output, as a started child's would be
+                if os.path.exists(path):
+                    with open(path, errors="replace") as f:
+                        shutil.copyfileobj(f, sys.stderr)
+            sys.stderr.flush()
+        if not line:
+            raise RuntimeError(f"the fork server died during child {pid}")
+        return int(line)

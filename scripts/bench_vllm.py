@@ -47,7 +47,7 @@ computes on all cores but one in every mode, the connector's own processes
 
     python scripts/bench_vllm.py [--quick] [--lmcache-python PY] [--hit-chat-only]
                                  [--busy-only] [--storage-only]
-                                 [--family gemma3|qwen3_next]
+                                 [--family gemma3|qwen3_next] [--fork-server SOCKET]
 
 ``--family gemma3`` runs phase 1 on a random Gemma 3 of the same shape (its
 layers sliding-window of 512 tokens but every sixth, vLLM's hybrid KV cache
@@ -97,7 +97,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import log, percentile  # noqa: E402
+from _bench_util import log, percentile, run_child  # noqa: E402
 
 BS = 32  # vLLM's CPU attention needs a multiple of 32
 FULL = dict(layers=6, hidden=1024, hit_prompts=4, hit_len=2000, hit_rounds=3,
@@ -345,6 +345,9 @@ def child(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------- parent
+FORK_SERVER: str | None = None  # --fork-server (the tests' smoke run): see _bench_util.run_child
+
+
 def run_mode(name: str, model: str, p: dict, connector: dict | None,
              phases: list[str], max_num_seqs: int = 8, env: dict | None = None) -> dict:
     # The result travels in a file: vLLM's processes share the child's stdout
@@ -360,10 +363,9 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if p.get("one_process") else {}),
            **(env or {})}  # vLLM in one process starts in seconds, not tens
-    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                         stdout=sys.stderr, timeout=3600, env=env)
-    if res.returncode or not result.exists():
-        raise SystemExit(f"mode {name} failed (rc {res.returncode}); its log is above")
+    rc = run_child(__file__, ["--child", json.dumps(spec)], env, 3600, FORK_SERVER)
+    if rc or not result.exists():
+        raise SystemExit(f"mode {name} failed (rc {rc}); its log is above")
     log(f"{name}: done in {time.monotonic() - t:.0f}s")
     out = json.loads(result.read_text())
     result.unlink()
@@ -632,12 +634,17 @@ def main() -> None:
                     help="the model family: with gemma3 (sliding-window layers) or qwen3_next "
                          "(gated delta-net layers), both under vLLM's hybrid KV cache manager, "
                          "only the per-hit and storage-hit phases run")
+    ap.add_argument("--fork-server", metavar="SOCKET",
+                    help="tests: each mode's process forked by this fork server "
+                         "(tests/vllm_forkserver.py: vLLM imported once) instead of started")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         spec = json.loads(args.child)
         Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
+    global FORK_SERVER
+    FORK_SERVER = args.fork_server
     p = {**(QUICK if args.quick else FULL), "family": args.family}
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:
         work = Path(tmp)

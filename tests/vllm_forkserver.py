@@ -8,6 +8,13 @@ PyTorch's DataLoader and vLLM's own workers do.
 
     server:  python tests/vllm_forkserver.py SOCKET     (prints "ready")
     client:  ForkServer().run(argv, env, timeout) -> subprocess.CompletedProcess
+             ForkServer().run(argv, env, timeout, script=PATH): ``python PATH argv...``
+
+A child runs ``tests/vllm_app.py`` or, given ``script``, any script as
+``python SCRIPT ARGV`` would (``runpy``, ``__main__``): the benchmark
+scripts' smoke runs go through it, and so do their own vLLM processes
+(``--fork-server SOCKET``, ``scripts/_bench_util.run_child``): each of those
+would import vLLM again.
 
 The server answers a connection with the child's pid, then its exit status;
 it exits when its stdin closes (the test session ended, or was killed),
@@ -98,11 +105,17 @@ def _child(req: dict) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
-    sys.argv = [str(APP), *req["argv"]]
     code = 0
     try:
-        import vllm_app
-        vllm_app.run(*req["argv"])
+        if req.get("script"):  # as `python SCRIPT ARGV...` would run it
+            import runpy
+            sys.argv = [req["script"], *req["argv"]]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(req["script"])))
+            runpy.run_path(req["script"], run_name="__main__")
+        else:
+            sys.argv = [str(APP), *req["argv"]]
+            import vllm_app
+            vllm_app.run(*req["argv"])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -139,13 +152,20 @@ class ForkServer:
                                    f"{self._proc.returncode}); see {log.name}:\n"
                                    + Path(log.name).read_text()[-3000:])
 
-    def run(self, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-        """Run ``tests/vllm_app.py argv...`` in a forked child; like
-        ``subprocess.run(..., capture_output=True, text=True, timeout=...)``."""
+    def socket_path(self) -> str:
+        """The server's socket, once it runs (what a script's ``--fork-server`` takes)."""
+        self._start()
+        return self.path
+
+    def run(self, argv: list[str], env: dict, timeout: float,
+            script: str | None = None) -> subprocess.CompletedProcess:
+        """Run ``tests/vllm_app.py argv...`` (or ``script argv...``) in a forked
+        child; like ``subprocess.run(..., capture_output=True, text=True, timeout=...)``."""
         self._start()
         with tempfile.TemporaryDirectory(prefix="kvcached-vllm-run-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            req = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": out, "stderr": err}
+            req = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": out, "stderr": err,
+                   "script": script}
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.connect(self.path)
                 conn.sendall(json.dumps(req).encode())
@@ -157,11 +177,11 @@ class ForkServer:
                     line = reader.readline()
                 except TimeoutError:
                     os.killpg(pid, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired([str(APP), *argv], timeout) from None
+                    raise subprocess.TimeoutExpired([script or str(APP), *argv], timeout) from None
                 reader.close()
             if not line:
                 raise RuntimeError(f"the vLLM fork server died during run {pid}")
-            return subprocess.CompletedProcess([str(APP), *argv], int(line),
+            return subprocess.CompletedProcess([script or str(APP), *argv], int(line),
                                                Path(out).read_text(errors="replace"),
                                                Path(err).read_text(errors="replace"))
 

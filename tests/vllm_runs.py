@@ -70,6 +70,16 @@ def run_app(spec: dict, env: dict | None = None, check: bool = True) -> dict | s
         return json.loads(result.read_text())
 
 
+def run_script(script: Path, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``python script argv... --fork-server SOCKET``, forked by the session's
+    fork server, like ``subprocess.run(capture_output=True, text=True)``: a
+    benchmark's smoke run, whose own vLLM processes the server forks too
+    (``scripts/_bench_util.run_child``): none of them imports vLLM again."""
+    server = _server()
+    return server.run([*argv, "--fork-server", server.socket_path()], vllm_env(), timeout,
+                      script=str(script))
+
+
 def generated(result: dict) -> list[dict]:
     return [s for s in result["steps"] if s["step"][0] == "generate"]
 

@@ -20,7 +20,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_runs import BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_share, vllm_env
+from vllm_runs import (
+    BLOCK,
+    DEADLINE_S,
+    SINGLE,
+    generated,
+    run_app,
+    run_script,
+    served_share,
+    vllm_env,
+)
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
@@ -398,8 +407,7 @@ def test_bench_vllm_quick():
     greedy outputs, hits are served whole, chat computes no more than the
     workload allows."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "bench_vllm.py"
-    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
-                         text=True, timeout=1500, env=vllm_env())
+    res = run_script(script, ["--quick"], timeout=1500)
     assert res.returncode == 0, res.stderr[-5000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["bench"] == "vllm" and out["identical_outputs"], out["identical"]
@@ -425,8 +433,7 @@ def test_bench_break_even_quick():
     """The break-even benchmark's smoke run: every storage hit it times is
     served whole (a fill process that exits right after its last prefill
     leaves all of it in storage), and each recompute beside it computes."""
-    res = subprocess.run([sys.executable, str(BREAK_EVEN), "--quick", "--backends", "file"],
-                         capture_output=True, text=True, timeout=900, env=vllm_env())
+    res = run_script(BREAK_EVEN, ["--quick", "--backends", "file"], timeout=900)
     assert res.returncode == 0, res.stderr[-5000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     rows = out["backends"]["file"]["per_blocks"]
