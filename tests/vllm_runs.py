@@ -47,6 +47,11 @@ def _server() -> ForkServer:
         return _SERVER
 
 
+def fork_server() -> ForkServer:
+    """The session's fork server: also for a test's own children (``start``)."""
+    return _server()
+
+
 def vllm_env(env: dict | None = None) -> dict:
     """The environment of a vLLM process a test starts: the test's own, and
     vLLM's cache directory shared by the session unless one is set. (Each test

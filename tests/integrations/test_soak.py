@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_runs import vllm_env
+from vllm_runs import fork_server, vllm_env
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
@@ -29,7 +29,9 @@ def test_soak_short_sigint(vllm_model, tmp_path):
     model = vllm_model if (Path(vllm_model) / "config.json").exists() else None
     cmd = [sys.executable, str(SOAK), "--seconds", "12", "--signals", "SIGINT",
            "--suffix", "192", "193", "--verify-every", "5", "--progress-s", "5",
-           "--rss-exempt", "VLLM::Worker", "--keep", str(tmp_path / "logs")]
+           "--rss-exempt", "VLLM::Worker", "--keep", str(tmp_path / "logs"),
+           # the server forked by the session's fork server (vLLM imported once)
+           "--fork-server", fork_server().socket_path()]
     if model:
         cmd += ["--model", model]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_env())
