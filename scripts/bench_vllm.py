@@ -15,7 +15,12 @@ dominate as it does on real models):
    (target <= 1.15). In the fresh process each prompt's storage hit is
    followed by vLLM's own hit of it; ``storage_hit_vs_own_hit`` is the median
    of those ratios (target <= 1.5). ``--storage-only`` runs just this (a
-   process that fills storage, then the fresh one).
+   process that fills storage, then the fresh one); ``--storage-secret``
+   with it runs that three times: unsigned, signed (a fleet secret) and
+   encrypted (``storage_encrypt``), and reports each mode's ratio over the
+   unsigned one (``signed_vs_unsigned``, target <= 1.1; each ratio is taken
+   in its own process, so a process's speed cancels out), JSON
+   ``{"bench": "vllm_storage_mac"}``.
 2. Multi-turn chat. Conversations (a shared system prompt, a document, user
    turns, the model's own answers) whose every turn extends the previous one, turns of
    different conversations interleaved, and vLLM's KV space a third of the
@@ -46,7 +51,7 @@ computes on all cores but one in every mode, the connector's own processes
 (kvcached's transfer workers, LMCache's server) share the other with vLLM's.
 
     python scripts/bench_vllm.py [--quick] [--lmcache-python PY] [--hit-chat-only]
-                                 [--busy-only] [--storage-only]
+                                 [--busy-only] [--storage-only [--storage-secret]]
                                  [--family gemma3|qwen3_next] [--fork-server SOCKET]
 
 ``--family gemma3`` runs phase 1 on a random Gemma 3 of the same shape (its
@@ -374,13 +379,48 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
     return out
 
 
-def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int) -> dict:
+def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int, **extra) -> dict:
     return {"kv_connector": "KvcachedConnector",
             "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
                                           "storage_backend": "file",
-                                          "storage_url": str(store)}}
+                                          "storage_url": str(store), **extra}}
+
+
+def storage_modes(model: str, p: dict, work: Path, cpu_blocks: int, secret: bool,
+                  quick: bool) -> dict:
+    """Phase 1's storage hit alone: a process fills file storage, a new one
+    serves from it. With ``secret``: three times, unsigned, signed (a fleet
+    secret) and encrypted (``storage_encrypt``), each on a store of its own,
+    in that order; each mode's hits over vLLM's own hits in its process, and
+    those ratios over the unsigned one."""
+    modes = {"unsigned": {}}
+    if secret:
+        path = work / "fleet.secret"
+        path.write_text(os.urandom(32).hex() + "\n")
+        modes.update(signed={"storage_secret_file": str(path)},
+                     encrypted={"storage_secret_file": str(path), "storage_encrypt": True})
+    full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
+    out, outputs = {}, {}
+    for name, extra in modes.items():
+        store = work / f"store-{name}"
+        run_mode(f"fill ({name})", model, p,
+                 kvcached_connector(work / f"run1-{name}", store, cpu_blocks, **extra), ["fill"])
+        rs = run_mode(f"restart ({name})", model, p,
+                      kvcached_connector(work / f"run2-{name}", store, cpu_blocks, **extra),
+                      ["restart_hit"])
+        out[name] = storage_summary(rs, full)
+        outputs[name] = rs["restart_hit"]["outputs"]
+    if not secret:
+        return {"bench": "vllm_storage", "quick": quick, **out["unsigned"]}
+    base = out["unsigned"]
+    return {"bench": "vllm_storage_mac", "quick": quick, "modes": out,
+            **{f"{m}_vs_unsigned": out[m]["storage_hit_vs_own_hit"]
+               / base["storage_hit_vs_own_hit"] for m in ("signed", "encrypted")},
+            **{f"{m}_vs_unsigned_ttft": out[m]["storage_hit_ttft_s"] / base["storage_hit_ttft_s"]
+               for m in ("signed", "encrypted")},
+            "identical_outputs": all(o == outputs["unsigned"] for o in outputs.values())}
 
 
 def example_connector(path: Path) -> dict:
@@ -628,6 +668,9 @@ def main() -> None:
                          "(scripts/setup_lmcache_env.sh makes that environment)")
     ap.add_argument("--storage-only", action="store_true",
                     help="only the storage hits in a new process (after one that fills it)")
+    ap.add_argument("--storage-secret", action="store_true",
+                    help="with --storage-only: unsigned, signed (a fleet secret) and "
+                         "encrypted (storage_encrypt) storage hits, each over vLLM's own hit")
     ap.add_argument("--hit-chat-only", action="store_true",
                     help="only the per-hit and multi-turn chat phases")
     ap.add_argument("--family", choices=["llama", "gemma3", "qwen3_next"], default="llama",
@@ -643,6 +686,8 @@ def main() -> None:
         spec = json.loads(args.child)
         Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
+    if args.storage_secret and not args.storage_only:
+        ap.error("--storage-secret goes with --storage-only")
     global FORK_SERVER
     FORK_SERVER = args.fork_server
     p = {**(QUICK if args.quick else FULL), "family": args.family}
@@ -664,13 +709,9 @@ def main() -> None:
                                          bool(args.quick))), flush=True)
             return
         if args.storage_only:
-            run_mode("fill", model, p, kvcached_connector(work / "run1", store, cpu_blocks),
-                     ["fill"])
-            rs = run_mode("restart", model, p, kvcached_connector(work / "run2", store,
-                                                                  cpu_blocks), ["restart_hit"])
-            full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
-            print(json.dumps({"bench": "vllm_storage", "quick": bool(args.quick),
-                              **storage_summary(rs, full)}), flush=True)
+            print(json.dumps(storage_modes(model, p, work, cpu_blocks, args.storage_secret,
+                                           bool(args.quick))),
+                  flush=True)
             return
         if args.no_reuse_only:
             print(json.dumps({"bench": "vllm_no_reuse", **no_reuse_modes(
