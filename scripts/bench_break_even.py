@@ -23,6 +23,7 @@ installed).
 
     python scripts/bench_break_even.py [--quick] [--backends file,redis]
                                        [--blocks 1,2,4,8,16,32] [--prompts 3]
+                                       [--fork-server SOCKET]
 
 ``--quick`` is a smoke run (a tiny model, two sizes, vLLM in one process).
 Progress on stderr; the last line on stdout is JSON
@@ -35,14 +36,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import load_script, log  # noqa: E402
+from _bench_util import load_script, log, run_child  # noqa: E402
 
 FULL = dict(layers=6, hidden=1024, kv_mb=56, blocks=(1, 2, 4, 8, 16, 32), prompts=3)
 QUICK = dict(layers=2, hidden=128, kv_mb=6, blocks=(1, 4), prompts=1, one_process=True)
@@ -100,7 +100,10 @@ def child(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------- parent
-def run_child(name: str, model: str, p: dict, connector: dict, phase: str) -> dict:
+FORK_SERVER: str | None = None  # --fork-server (the tests' smoke run): see _bench_util.run_child
+
+
+def run_mode_child(name: str, model: str, p: dict, connector: dict, phase: str) -> dict:
     result = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-")) / "result.json"
     spec = {"name": name, "model": model, "params": p, "connector": connector,
             "phase": phase, "kv_mb": p["kv_mb"], "result": str(result)}
@@ -108,10 +111,9 @@ def run_child(name: str, model: str, p: dict, connector: dict, phase: str) -> di
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if p.get("one_process") else {})}
     t = time.monotonic()
-    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                         stdout=sys.stderr, timeout=3600, env=env)
-    if res.returncode or not result.exists():
-        raise SystemExit(f"{name} failed (rc {res.returncode}); its log is above")
+    rc = run_child(__file__, ["--child", json.dumps(spec)], env, 3600, FORK_SERVER)
+    if rc or not result.exists():
+        raise SystemExit(f"{name} failed (rc {rc}); its log is above")
     log(f"{name}: done in {time.monotonic() - t:.0f}s")
     out = json.loads(result.read_text())
     result.unlink()
@@ -154,12 +156,17 @@ def main() -> None:
     ap.add_argument("--backends", default="file,redis", help="comma-separated: file, redis")
     ap.add_argument("--blocks", help="comma-separated hit lengths in blocks")
     ap.add_argument("--prompts", type=int, help="prompts per length")
+    ap.add_argument("--fork-server", metavar="SOCKET",
+                    help="tests: each process forked by this fork server "
+                         "(tests/vllm_forkserver.py: vLLM imported once) instead of started")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         spec = json.loads(args.child)
         Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
+    global FORK_SERVER
+    FORK_SERVER = args.fork_server
     p = dict(QUICK if args.quick else FULL)
     if args.blocks:
         p["blocks"] = tuple(sorted(int(b) for b in args.blocks.split(",")))
@@ -186,9 +193,9 @@ def main() -> None:
                     continue
                 url = server.url
             try:
-                run_child(f"{backend}: fill", model, p,
+                run_mode_child(f"{backend}: fill", model, p,
                           connector(work / f"run-{backend}-1", backend, url), "fill")
-                rows = run_child(f"{backend}: measure", model, p,
+                rows = run_mode_child(f"{backend}: measure", model, p,
                                  connector(work / f"run-{backend}-2", backend, url), "measure")
             finally:
                 if server is not None:

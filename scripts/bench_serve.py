@@ -62,7 +62,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import emit, load_script, log  # noqa: E402
+from _bench_util import emit, fork_start, load_script, log  # noqa: E402
 
 BS = 32  # vLLM's CPU attention needs a multiple of 32
 VOCAB = 1024
@@ -155,7 +155,8 @@ class ApiServer:
 
     def __init__(self, model: str, log_path: Path, kv_mb: int, connector: dict | None = None,
                  max_num_seqs: int = 16, tokenizer: bool = True, env: dict | None = None,
-                 max_model_len: int = 4096, extra_args: list[str] | None = None):
+                 max_model_len: int = 4096, extra_args: list[str] | None = None,
+                 fork_server: str | None = None):
         self.model, self.port, self.log_path = model, free_port(), log_path
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(BS),
@@ -171,10 +172,15 @@ class ApiServer:
                "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
                                                              "1"),
                **(env or {})}
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                     preexec_fn=_die_with_parent)
+        if fork_server:  # forked by the tests' fork server: vLLM imported there once
+            self.log = None
+            self.proc = fork_start(fork_server, cmd[3:], env, str(log_path), str(log_path),
+                                   module=cmd[2])
+        else:
+            self.log = open(log_path, "wb")
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env=env, preexec_fn=_die_with_parent)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 600) -> float:
@@ -256,7 +262,8 @@ class ApiServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
         return time.monotonic() - t0
 
 

@@ -15,7 +15,12 @@ dominate as it does on real models):
    (target <= 1.15). In the fresh process each prompt's storage hit is
    followed by vLLM's own hit of it; ``storage_hit_vs_own_hit`` is the median
    of those ratios (target <= 1.5). ``--storage-only`` runs just this (a
-   process that fills storage, then the fresh one).
+   process that fills storage, then the fresh one); ``--storage-secret``
+   with it runs that three times: unsigned, signed (a fleet secret) and
+   encrypted (``storage_encrypt``), and reports each mode's ratio over the
+   unsigned one (``signed_vs_unsigned``, target <= 1.1; each ratio is taken
+   in its own process, so a process's speed cancels out), JSON
+   ``{"bench": "vllm_storage_mac"}``.
 2. Multi-turn chat. Conversations (a shared system prompt, a document, user
    turns, the model's own answers) whose every turn extends the previous one, turns of
    different conversations interleaved, and vLLM's KV space a third of the
@@ -46,8 +51,8 @@ computes on all cores but one in every mode, the connector's own processes
 (kvcached's transfer workers, LMCache's server) share the other with vLLM's.
 
     python scripts/bench_vllm.py [--quick] [--lmcache-python PY] [--hit-chat-only]
-                                 [--busy-only] [--storage-only]
-                                 [--family gemma3|qwen3_next]
+                                 [--busy-only] [--storage-only [--storage-secret]]
+                                 [--family gemma3|qwen3_next] [--fork-server SOCKET]
 
 ``--family gemma3`` runs phase 1 on a random Gemma 3 of the same shape (its
 layers sliding-window of 512 tokens but every sixth, vLLM's hybrid KV cache
@@ -97,7 +102,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import log, percentile  # noqa: E402
+from _bench_util import log, percentile, run_child  # noqa: E402
 
 BS = 32  # vLLM's CPU attention needs a multiple of 32
 FULL = dict(layers=6, hidden=1024, hit_prompts=4, hit_len=2000, hit_rounds=3,
@@ -412,6 +417,9 @@ def child(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------- parent
+FORK_SERVER: str | None = None  # --fork-server (the tests' smoke run): see _bench_util.run_child
+
+
 def run_mode(name: str, model: str, p: dict, connector: dict | None,
              phases: list[str], max_num_seqs: int = 8, env: dict | None = None) -> dict:
     # The result travels in a file: vLLM's processes share the child's stdout
@@ -427,10 +435,9 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if p.get("one_process") else {}),
            **(env or {})}  # vLLM in one process starts in seconds, not tens
-    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                         stdout=sys.stderr, timeout=3600, env=env)
-    if res.returncode or not result.exists():
-        raise SystemExit(f"mode {name} failed (rc {res.returncode}); its log is above")
+    rc = run_child(__file__, ["--child", json.dumps(spec)], env, 3600, FORK_SERVER)
+    if rc or not result.exists():
+        raise SystemExit(f"mode {name} failed (rc {rc}); its log is above")
     log(f"{name}: done in {time.monotonic() - t:.0f}s")
     out = json.loads(result.read_text())
     result.unlink()
@@ -442,14 +449,49 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
 STEP_MAX: int | None = None  # --step-max: step_load_max_blocks of every kvcached mode
 
 
-def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int) -> dict:
+def kvcached_connector(run_dir: Path, store: Path, cpu_blocks: int, **extra) -> dict:
     extra = {"num_cpu_blocks": cpu_blocks, "run_dir": str(run_dir),
-             "storage_backend": "file", "storage_url": str(store)}
+             "storage_backend": "file", "storage_url": str(store), **extra}
     if STEP_MAX is not None:
         extra["step_load_max_blocks"] = STEP_MAX
     return {"kv_connector": "KvcachedConnector",
             "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def storage_modes(model: str, p: dict, work: Path, cpu_blocks: int, secret: bool,
+                  quick: bool) -> dict:
+    """Phase 1's storage hit alone: a process fills file storage, a new one
+    serves from it. With ``secret``: three times, unsigned, signed (a fleet
+    secret) and encrypted (``storage_encrypt``), each on a store of its own,
+    in that order; each mode's hits over vLLM's own hits in its process, and
+    those ratios over the unsigned one."""
+    modes = {"unsigned": {}}
+    if secret:
+        path = work / "fleet.secret"
+        path.write_text(os.urandom(32).hex() + "\n")
+        modes.update(signed={"storage_secret_file": str(path)},
+                     encrypted={"storage_secret_file": str(path), "storage_encrypt": True})
+    full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
+    out, outputs = {}, {}
+    for name, extra in modes.items():
+        store = work / f"store-{name}"
+        run_mode(f"fill ({name})", model, p,
+                 kvcached_connector(work / f"run1-{name}", store, cpu_blocks, **extra), ["fill"])
+        rs = run_mode(f"restart ({name})", model, p,
+                      kvcached_connector(work / f"run2-{name}", store, cpu_blocks, **extra),
+                      ["restart_hit"])
+        out[name] = storage_summary(rs, full)
+        outputs[name] = rs["restart_hit"]["outputs"]
+    if not secret:
+        return {"bench": "vllm_storage", "quick": quick, **out["unsigned"]}
+    base = out["unsigned"]
+    return {"bench": "vllm_storage_mac", "quick": quick, "modes": out,
+            **{f"{m}_vs_unsigned": out[m]["storage_hit_vs_own_hit"]
+               / base["storage_hit_vs_own_hit"] for m in ("signed", "encrypted")},
+            **{f"{m}_vs_unsigned_ttft": out[m]["storage_hit_ttft_s"] / base["storage_hit_ttft_s"]
+               for m in ("signed", "encrypted")},
+            "identical_outputs": all(o == outputs["unsigned"] for o in outputs.values())}
 
 
 def example_connector(path: Path) -> dict:
@@ -697,6 +739,9 @@ def main() -> None:
                          "(scripts/setup_lmcache_env.sh makes that environment)")
     ap.add_argument("--storage-only", action="store_true",
                     help="only the storage hits in a new process (after one that fills it)")
+    ap.add_argument("--storage-secret", action="store_true",
+                    help="with --storage-only: unsigned, signed (a fleet secret) and "
+                         "encrypted (storage_encrypt) storage hits, each over vLLM's own hit")
     ap.add_argument("--hit-chat-only", action="store_true",
                     help="only the per-hit and multi-turn chat phases")
     ap.add_argument("--hit-only", action="store_true",
@@ -716,12 +761,19 @@ def main() -> None:
                     help="the model family: with gemma3 (sliding-window layers) or qwen3_next "
                          "(gated delta-net layers), both under vLLM's hybrid KV cache manager, "
                          "only the per-hit and storage-hit phases run")
+    ap.add_argument("--fork-server", metavar="SOCKET",
+                    help="tests: each mode's process forked by this fork server "
+                         "(tests/vllm_forkserver.py: vLLM imported once) instead of started")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         spec = json.loads(args.child)
         Path(spec["result"]).write_text(json.dumps(child(spec)))
         return
+    if args.storage_secret and not args.storage_only:
+        ap.error("--storage-secret goes with --storage-only")
+    global FORK_SERVER
+    FORK_SERVER = args.fork_server
     p = {**(QUICK if args.quick else FULL), "family": args.family}
     if args.small:
         p["hidden"] = 512
@@ -775,13 +827,9 @@ def main() -> None:
                                          bool(args.quick))), flush=True)
             return
         if args.storage_only:
-            run_mode("fill", model, p, kvcached_connector(work / "run1", store, cpu_blocks),
-                     ["fill"])
-            rs = run_mode("restart", model, p, kvcached_connector(work / "run2", store,
-                                                                  cpu_blocks), ["restart_hit"])
-            full = p["hit_len"] - 1 - (p["hit_len"] - 1) % BS
-            print(json.dumps({"bench": "vllm_storage", "quick": bool(args.quick),
-                              **storage_summary(rs, full)}), flush=True)
+            print(json.dumps(storage_modes(model, p, work, cpu_blocks, args.storage_secret,
+                                           bool(args.quick))),
+                  flush=True)
             return
         if args.no_reuse_only:
             print(json.dumps({"bench": "vllm_no_reuse", **no_reuse_modes(

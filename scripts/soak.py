@@ -156,7 +156,9 @@ def run_pids(server_pid: int, run_dir: Path | None) -> dict[int, str]:
     if run_dir is not None:
         want = str(run_dir).encode()
         pids |= {int(e) for e in os.listdir("/proc") if e.isdigit() and want in cmdline(int(e))}
-    return {p: naming(p) for p in pids if running(p)}
+    # the server: also when the tests' fork server forked it (its command line
+    # is then that server's)
+    return {p: "api_server" if p == server_pid else naming(p) for p in pids if running(p)}
 
 
 def thread_names(pid: int) -> dict[str, int]:
@@ -297,7 +299,8 @@ def soak_run(k: int, sig: str, args, model: str, store: Path, cap: int, pool, re
                           max_num_seqs=max(8, args.concurrency * 2), tokenizer=False,
                           max_model_len=2048,
                           # each answer's usage counts its cached prompt tokens
-                          extra_args=["--enable-prompt-tokens-details"])
+                          extra_args=["--enable-prompt-tokens-details"],
+                          fork_server=args.fork_server)
     out: dict = {"signal": sig, "seconds": seconds}
     try:
         out["startup_s"] = srv.wait_ready()
@@ -510,6 +513,9 @@ def main() -> int:
     ap.add_argument("--plain", action="store_true",
                     help="vLLM without kvcached, the same load (what vLLM's own processes do)")
     ap.add_argument("--keep", metavar="DIR", help="copy the servers' logs into DIR")
+    ap.add_argument("--fork-server", metavar="SOCKET",
+                    help="tests: the server forked by this fork server "
+                         "(tests/vllm_forkserver.py: vLLM imported once) instead of started")
     args = ap.parse_args()
     args.seconds = args.seconds or 60 * (args.minutes or 5)
     args.second_seconds = args.second_seconds or args.seconds

@@ -20,7 +20,8 @@ events once n blocks were stored in each medium; needs ``kv_events``, a socket p
 (the set's requests aborted after n engine steps), ``["loads"]`` (requests loaded
 inside their step and asynchronously, so far), ``["touch", path]`` /
 ``["wait_file", path]`` (two instances in step), ``["wait_stored", n]`` (n blocks
-written to storage). Prompt sets are token ids made from the spec's ``prompts``:
+written to storage), ``["wait_rejected", reason, n]`` (n stored objects refused
+by the workers, e.g. ``bad_mac``; its status). Prompt sets are token ids made from the spec's ``prompts``:
 ``{name: [[seed, length], ...]}``. vLLM spawns processes: hence the main guard.
 """
 
@@ -223,6 +224,24 @@ def wait_stored(run_dir: str, blocks: int, idle, deadline_s: float = 120.0) -> i
         idle()
 
 
+def storage_health(st: dict) -> list[dict]:
+    """Each rank's storage health, as its worker's last heartbeat told it."""
+    return [w["storage"] for w in st.get("workers", []) if w.get("storage")]
+
+
+def wait_rejected(run_dir: str, reason: str, n: int, idle, deadline_s: float = 60.0) -> dict:
+    """Wait until the workers refused at least ``n`` stored objects for
+    ``reason`` (their heartbeats say so); returns that status."""
+    end = time.monotonic() + deadline_s
+    while True:
+        st = status(run_dir)
+        got = sum(h.get("rejected", {}).get(reason, 0) for h in storage_health(st))
+        if got >= n:
+            return st
+        assert time.monotonic() < end, f"{got} of {n} objects rejected ({reason})"
+        idle()
+
+
 def abort_after(llm, prompt_set: list[list[int]], sp, steps: int) -> dict:
     """Submit the prompts, run ``steps`` engine steps (their loads start), abort
     every request, then step until vLLM has none left."""
@@ -334,6 +353,9 @@ def main(spec: dict) -> dict:
         elif step[0] == "wait_stored":  # ["wait_stored", n]: n blocks written to storage
             out["steps"].append({"step": step, "stored": wait_stored(
                 run_dir, step[1], lambda: idle(llm, spec))})
+        elif step[0] == "wait_rejected":  # ["wait_rejected", reason, n]: by the workers
+            out["steps"].append({"step": step, "status": wait_rejected(
+                run_dir, step[1], step[2], lambda: idle(llm, spec))})
         elif step[0] == "metrics":  # ["metrics", prefix, ...]: needs log_stats
             out["steps"].append({"step": step, "metrics": metrics(llm, step[1:])})
         elif step[0] == "events":  # ["events", {medium: blocks}]: needs kv_events

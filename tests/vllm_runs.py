@@ -47,6 +47,11 @@ def _server() -> ForkServer:
         return _SERVER
 
 
+def fork_server() -> ForkServer:
+    """The session's fork server: also for a test's own children (``start``)."""
+    return _server()
+
+
 def vllm_env(env: dict | None = None) -> dict:
     """The environment of a vLLM process a test starts: the test's own, and
     vLLM's cache directory shared by the session unless one is set. (Each test
@@ -68,6 +73,16 @@ def run_app(spec: dict, env: dict | None = None, check: bool = True) -> dict | s
         assert res.returncode == 0 and result.is_file(), \
             f"vLLM run failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
         return json.loads(result.read_text())
+
+
+def run_script(script: Path, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``python script argv... --fork-server SOCKET``, forked by the session's
+    fork server, like ``subprocess.run(capture_output=True, text=True)``: a
+    benchmark's smoke run, whose own vLLM processes the server forks too
+    (``scripts/_bench_util.run_child``): none of them imports vLLM again."""
+    server = _server()
+    return server.run([*argv, "--fork-server", server.socket_path()], vllm_env(), timeout,
+                      script=str(script))
 
 
 def generated(result: dict) -> list[dict]:

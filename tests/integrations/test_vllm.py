@@ -20,7 +20,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_runs import BLOCK, DEADLINE_S, SINGLE, generated, run_app, served_share, vllm_env
+from vllm_runs import (
+    BLOCK,
+    DEADLINE_S,
+    SINGLE,
+    fork_server,
+    generated,
+    run_app,
+    run_script,
+    served_share,
+    vllm_env,
+)
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
@@ -218,7 +228,9 @@ def test_cuda_ipc_path(model, tmp_path):
 
 class Served:
     """``python -m vllm.entrypoints.openai.api_server`` (the CPU wheel has no
-    ``vllm`` command) with the README's flag: its run dir named by kvcached
+    ``vllm`` command; forked by the session's fork server, which imported it,
+    and run as ``python -m`` runs it: its engine core and worker are vLLM's
+    own spawned processes) with the README's flag: its run dir named by kvcached
     and its transfer workers spawned (``run_dir`` None), or in ``run_dir``
     with the workers sidecars from ``kvcached launch`` (``spawn_workers =
     false``)."""
@@ -237,14 +249,16 @@ class Served:
                "kv_connector_module_path": "kvcached.integrations.vllm",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": extra}
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-             "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
-             "--block-size", str(BLOCK), "--enforce-eager", "--dtype", "float32",
-             "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
-             "--kv-transfer-config", json.dumps(cfg)],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=vllm_env())
+        self.log = log
+        # forked by the session's fork server, which imported vLLM (and this
+        # module) once: as `python -m` would run it, in a session of its own
+        self.proc = fork_server().start(
+            "vllm.entrypoints.openai.api_server",
+            ["--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+             "--skip-tokenizer-init", "--block-size", str(BLOCK), "--enforce-eager",
+             "--dtype", "float32", "--max-model-len", "2048",
+             "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(cfg)],
+            vllm_env(), str(log))
         self.launcher = None
 
     def wait_ready(self) -> None:
@@ -261,8 +275,8 @@ class Served:
         self.temporary = self.run_dir is None
         if self.temporary:  # vLLM's log names it (README: "Watching it")
             import re
-            found = re.search(r"kvcached: run dir (\S+) ", Path(self.log.name).read_text())
-            assert found, f"no run dir in vLLM's log {self.log.name}"
+            found = re.search(r"kvcached: run dir (\S+) ", self.log.read_text())
+            assert found, f"no run dir in vLLM's log {self.log}"
             self.run_dir = Path(found.group(1))
         self.segments = run_segments(self.run_dir)
         self.pids = kvcached_pids(self.run_dir)
@@ -273,7 +287,7 @@ class Served:
         import time
         deadline = time.monotonic() + DEADLINE_S
         while not ready():
-            assert self.proc.poll() is None, f"vLLM exited:\n{self.log.name}"
+            assert self.proc.poll() is None, f"vLLM exited:\n{self.log}"
             assert time.monotonic() < deadline, f"no {what} within {DEADLINE_S}s"
             time.sleep(0.2)
 
@@ -312,7 +326,6 @@ class Served:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         stop_process(self.launcher, timeout=60)
-        self.log.close()
 
     def assert_nothing_left(self) -> None:
         """Once the server is stopped: none of its kvcached processes runs, its
@@ -417,8 +430,7 @@ def test_bench_vllm_quick():
     greedy outputs, hits are served whole, chat computes no more than the
     workload allows."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "bench_vllm.py"
-    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
-                         text=True, timeout=1500, env=vllm_env())
+    res = run_script(script, ["--quick"], timeout=1500)
     assert res.returncode == 0, res.stderr[-5000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["bench"] == "vllm" and out["identical_outputs"], out["identical"]
@@ -444,8 +456,7 @@ def test_bench_break_even_quick():
     """The break-even benchmark's smoke run: every storage hit it times is
     served whole (a fill process that exits right after its last prefill
     leaves all of it in storage), and each recompute beside it computes."""
-    res = subprocess.run([sys.executable, str(BREAK_EVEN), "--quick", "--backends", "file"],
-                         capture_output=True, text=True, timeout=900, env=vllm_env())
+    res = run_script(BREAK_EVEN, ["--quick", "--backends", "file"], timeout=900)
     assert res.returncode == 0, res.stderr[-5000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     rows = out["backends"]["file"]["per_blocks"]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from conftest_storage import NO_REDIS_REASON, REDIS_SERVER, RedisServer, mooncake_unavailable
+from vllm_app import storage_health
 from vllm_runs import (
     AFTER,
     BLOCK,
@@ -49,7 +50,8 @@ from kvcached.config import CacheConfig
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`")
 
-PROMPTS = {"g": GROUPS, "new": NEW, "after": AFTER, "control": CONTROL}
+PROMPTS = {"g": GROUPS, "new": NEW, "after": AFTER, "control": CONTROL,
+           "s": [[77, 300]]}  # s: the tenants' (cache_salt) prompt, its own tokens
 # A 256-token budget chunks every prompt (400+ tokens); 48 blocks hold about
 # three prompts, whose answers (40 tokens) outgrow them: vLLM preempts.
 CHUNKED = {"max_num_batched_tokens": 256, "num_gpu_blocks_override": 48, "max_model_len": 1024,
@@ -250,19 +252,66 @@ def test_two_live_instances_share_storage(model, plain, tmp_path, backend):
     assert min(served_share(a_steps["new"], NEW)) >= 0.9, a_steps["new"]["cached"]
 
 
+def secret_file(path: Path, seed: str) -> str:
+    """A fleet secret (storage_secret_file): every object its fleet writes is
+    signed with it, and only objects signed with it are read."""
+    path.write_text(seed * (64 // len(seed)) + "\n")
+    return str(path)
+
+
+def loaded(status: dict) -> int:
+    """Blocks the workers loaded from storage (objects that passed every check)."""
+    return sum(h.get("loaded", 0) for h in storage_health(status))
+
+
+def bad_macs(status: dict) -> int:
+    return sum(h.get("rejected", {}).get("bad_mac", 0) for h in storage_health(status))
+
+
 @pytest.fixture(scope="module")
 def producer(model, tmp_path_factory) -> dict:
     """Disaggregated prefill, first half: a kv_producer instance prefills every
     prompt (one token each) and saves it; it never loads, not even after vLLM's
-    prefix cache is reset."""
+    prefix cache is reset. Its fleet signs its objects (a fleet secret), and
+    it prefills the tenants' prompt under cache_salt "tenant-a" too."""
     tmp = tmp_path_factory.mktemp("producer")
+    secret = secret_file(tmp / "fleet-x.secret", "fleet-x-")
     res = run_app({"model": model, "role": "kv_producer", "max_tokens": 1,
                    "extra": kv_extra(tmp / "run", storage_backend="file",
-                                     storage_url=str(tmp / "store")),
+                                     storage_url=str(tmp / "store"), storage_secret_file=secret),
                    "prompts": PROMPTS, "steps": [["generate", "g"], ["reset"], ["generate", "g"],
-                                                 ["wait_stored", distinct_blocks(GROUPS)],
+                                                 ["generate", "s", "tenant-a"],
+                                                 ["wait_stored", distinct_blocks(GROUPS)
+                                                  + distinct_blocks(PROMPTS["s"])],
                                                  ["status"]]})
-    return {"result": res, "store": tmp / "store"}
+    return {"result": res, "store": tmp / "store", "secret": secret}
+
+
+@pytest.fixture(scope="module")
+def other_fleet(producer, model, tmp_path_factory) -> dict:
+    """Another fleet (another secret) on the producer's storage: it serves the
+    producer's prompts, then prompts of its own, which it writes there."""
+    tmp = tmp_path_factory.mktemp("other-fleet")
+    extra = kv_extra(tmp / "run", storage_backend="file", storage_url=str(producer["store"]),
+                     storage_secret_file=secret_file(tmp / "fleet-y.secret", "fleet-y-"))
+    return run_app({"model": model, "extra": extra, "prompts": PROMPTS,
+                    "steps": [["generate", "g"], ["wait_rejected", "bad_mac", 1],
+                              ["generate", "after"], ["wait_stored", distinct_blocks(AFTER)],
+                              ["status"]]})
+
+
+def test_another_fleet_reads_nothing_of_a_fleet_on_one_store(other_fleet, plain):
+    """Objects signed with another fleet's secret are misses (bad_mac), never
+    data: kvcached serves the other fleet nothing from storage, outputs
+    identical. (vLLM's num_cached_tokens counts what a lookup promised, loads
+    that then failed included: it cannot tell.) The producer's fleet reads
+    nothing of this one's either: the consumer's test."""
+    g, after = by_set(other_fleet)["g"], by_set(other_fleet)["after"]
+    assert g["outputs"] == plain["g"]["outputs"] and after["outputs"] == plain["after"]["outputs"]
+    refused = next(s["status"] for s in other_fleet["steps"] if s["step"][0] == "wait_rejected")
+    assert bad_macs(refused) >= 1  # the step waited for it
+    for st in (refused, status_of(other_fleet)):
+        assert loaded(st) == 0, storage_health(st)
 
 
 def test_a_producer_saves_and_never_loads(producer, plain):
@@ -291,22 +340,62 @@ def test_a_producer_that_exits_at_once_leaves_every_block_in_storage(model, plai
     assert min(served_share(step, AFTER)) >= 0.9, step["cached"]
 
 
-def test_a_fresh_consumer_gets_every_block_from_storage(producer, model, plain, tmp_path):
-    """A fresh vLLM process (kv_consumer: it loads, never saves) on the
-    producer's storage. All 16 requests look their blocks up at once; the three
-    of a group that wait for the shared head another one loads take their own
-    blocks after it, instead of losing them. Outputs are those of one plain
-    instance."""
-    res = run_app({"model": model, "role": "kv_consumer",
-                   "extra": kv_extra(tmp_path / "run", storage_backend="file",
-                                     storage_url=str(producer["store"])),
-                   "prompts": PROMPTS, "steps": [["generate", "g"], ["status"]]})
-    (step,) = generated(res)
+@pytest.fixture(scope="module")
+def consumer(producer, other_fleet, model, tmp_path_factory) -> dict:
+    """A fresh vLLM process (kv_consumer: it loads, never saves) of the
+    producer's fleet on its storage: the other fleet's prompts, the prompts,
+    then the tenants' prompt under another salt, none, and the producer's salt
+    (no reset: vLLM's own cache holds the first two, under their own salts)."""
+    del other_fleet  # its objects are in the store now
+    run = tmp_path_factory.mktemp("consumer") / "run"
+    return run_app({"model": model, "role": "kv_consumer",
+                    "extra": kv_extra(run, storage_backend="file",
+                                      storage_url=str(producer["store"]),
+                                      storage_secret_file=producer["secret"]),
+                    "prompts": PROMPTS,
+                    "steps": [["generate", "after"], ["wait_rejected", "bad_mac", 1],
+                              ["generate", "g"], ["status"], ["generate", "s", "tenant-b"],
+                              ["generate", "s"], ["generate", "s", "tenant-a"], ["status"]]})
+
+
+def statuses(result: dict) -> list[dict]:
+    return [s["status"]["stats"] for s in result["steps"] if s["step"] == ["status"]]
+
+
+def test_a_fresh_consumer_gets_every_block_from_storage(consumer, plain):
+    """All 16 requests look their blocks up at once; the three of a group that
+    wait for the shared head another one loads take their own blocks after it,
+    instead of losing them. Outputs are those of one plain instance."""
+    res = consumer
+    step = by_set(res)["g"]
     assert step["outputs"] == plain["g"]["outputs"]
-    stats = status_of(res)["stats"]
+    stats = statuses(res)[0]
     assert min(served_share(step, GROUPS)) >= 0.9, (step["cached"], stats["storage"])
     # every block from storage, a group's head loaded once (the others then
     # hit it in vLLM's prefix cache)
     assert stats["hit_tokens"]["storage"] >= 0.9 * sum(
         (n - 1) // BLOCK * BLOCK for _, n, _, _ in GROUPS) - 3 * 4 * HEAD
+    stats = status_of(res)["stats"]
     assert stats["transfers"].get("swap_out", {}).get("submitted", 0) == 0  # never saves
+
+
+def test_a_fleet_reads_nothing_another_fleet_wrote(consumer, plain):
+    """The other fleet's prompts (first: nothing else was loaded yet), in
+    storage signed with the other secret: misses (bad_mac), computed, outputs
+    identical."""
+    assert by_set(consumer)["after"]["outputs"] == plain["after"]["outputs"]
+    refused = next(s["status"] for s in consumer["steps"] if s["step"][0] == "wait_rejected")
+    assert bad_macs(refused) >= 1 and loaded(refused) == 0, storage_health(refused)
+
+
+def test_cache_salt_keeps_tenants_apart_across_a_restart(consumer):
+    """A new process on the storage another process wrote under a cache_salt:
+    another salt, or none, gets nothing from storage; the same salt hits."""
+    runs = [s for s in generated(consumer) if s["step"][1] == "s"]
+    other, none, same = runs
+    assert other["cached"] == [0] and none["cached"] == [0], (other["cached"], none["cached"])
+    assert served_share(same, PROMPTS["s"]) == [1.0], same["cached"]
+    assert other["outputs"] == none["outputs"] == same["outputs"]
+    before, after = (s["hit_tokens"] for s in statuses(consumer))
+    # the one storage hit among the three is the same salt's
+    assert after["storage"] - before["storage"] == same["cached"][0], (before, after)
