@@ -420,6 +420,8 @@ def test_bench_manager_replay_is_the_simulators_lru():
     assert got["rejected"] == 0 and got["requests_per_s"] > 0
 
 
+@pytest.mark.skipif(not (bench.STUDY_DIR / "sim.py").is_file(),
+                    reason=f"the study (policy_sim) is not beside this checkout: {bench.STUDY_DIR}")
 def test_bench_policy_replays_a_trace_slice_beside_the_study(capsys):
     """--trace: the manager with each policy and the study on the same slice."""
     trace = Path(__file__).resolve().parents[1] / "data" / "synthetic_trace.jsonl"
