@@ -214,7 +214,9 @@ class ForkServer:
         """Run ``tests/vllm_app.py argv...`` (or ``script argv...``) in a forked
         child; like ``subprocess.run(..., capture_output=True, text=True, timeout=...)``."""
         self._start()
-        with tempfile.TemporaryDirectory(prefix="kvcached-vllm-run-") as tmp:
+        # in the server's directory: gone with it, also when this process is
+        # killed before the block ends (the server removes its directory then)
+        with tempfile.TemporaryDirectory(prefix="run-", dir=self._dir) as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             child = fork_start(self.path, argv, env, out, err, script=script)
             try:

@@ -37,6 +37,8 @@ import threading
 import weakref
 from pathlib import Path
 
+from kvcached.memory.rundir import write_atomic
+
 logger = logging.getLogger(__name__)
 
 CLOCK_BYTES = 16  # epoch (u64), generation (u64): one 8-byte aligned store each
@@ -81,13 +83,7 @@ class EventClock:
         """A fresh clock (new random epoch, generation 0), replacing any old file atomically."""
         path = Path(path)
         epoch = secrets.randbits(62) | 1  # never 0: 0 means "no event" in a stamp
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(struct.pack("<QQ", epoch, 0))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, struct.pack("<QQ", epoch, 0), mode=0o644)
         return cls.open(path)
 
     @classmethod

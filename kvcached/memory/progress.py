@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcached.memory.rundir import write_atomic
+
 MAGIC = 0x31504554534B564B  # "KVKSTEP1", little-endian
 SIZE = 64
 LAYER_BITS = 19  # layers per task: at most 2**19 - 1
@@ -89,14 +91,7 @@ class StepProgress:
         """A fresh channel (no writer, no task), replacing any old file atomically:
         a writer still mapping the old one publishes where nobody reads."""
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(MAGIC.to_bytes(8, "little") + bytes(SIZE - 8))
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, MAGIC.to_bytes(8, "little") + bytes(SIZE - 8))
         return cls.open(path)
 
     @classmethod

@@ -57,6 +57,19 @@ def engine_pid(run_dir: str | os.PathLike) -> int | None:
         return None
 
 
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``path`` whole or not at all: a reader (or a process mapping it)
+    sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_engine_file(run_dir: str | os.PathLike) -> None:
     """Record this process as the engine of ``run_dir`` (atomically: a reader never
     sees half a file)."""
