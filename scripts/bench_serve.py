@@ -34,8 +34,8 @@ the run; the cached ones by source beside it). Modes alternate in one
 sitting (``--rounds`` times: plain, kvcached[, lmcache], plain, ...); each
 server serves all workloads, each workload with prompts of its own seed.
 The last line on stdout is JSON ``{"bench": "serve", ...}`` with the
-ratios kvcached / plain (medians over rounds); ``--plot FILE`` also draws a
-chart per workload (matplotlib).
+ratios kvcached / plain (medians over rounds); ``scripts/plot_benchmarks.py``
+draws it (``serve.png``).
 
     python scripts/bench_serve.py [--quick] [--rounds N] [--lmcache-python PY]
 
@@ -460,34 +460,6 @@ def medians(rounds: list[dict], mode: str) -> dict:
     return out
 
 
-def plot(result: dict, path: Path) -> None:
-    """A chart per workload: TTFT p50 and request throughput per mode (none,
-    with a note, where matplotlib is missing)."""
-    try:
-        import matplotlib
-    except ImportError:
-        log("no chart: matplotlib is not installed")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    wls = list(result["medians"]["plain"])
-    modes = list(result["medians"])
-    fig, axes = plt.subplots(2, len(wls), figsize=(3.2 * len(wls), 5.5), squeeze=False)
-    for i, wl in enumerate(wls):
-        for row, (key, label) in enumerate((("ttft_p50_ms", "TTFT p50 (ms)"),
-                                            ("request_throughput", "requests/s"))):
-            ax = axes[row][i]
-            ax.bar(modes, [result["medians"][m][wl].get(key, 0) for m in modes],
-                   color=["#999999", "#1f77b4", "#ff7f0e"][:len(modes)])
-            ax.set_title(wl if row == 0 else "", fontsize=9)
-            ax.set_ylabel(label if i == 0 else "", fontsize=8)
-            ax.tick_params(labelsize=7)
-    fig.suptitle("vLLM OpenAI server, vllm bench serve (CPU build)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    log(f"chart: {path}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model, few prompts (smoke)")
@@ -496,7 +468,6 @@ def main() -> None:
     ap.add_argument("--lmcache-python", metavar="PY",
                     help="LMCache's environment's interpreter: adds LMCache's multi-process "
                          "mode (scripts/setup_lmcache_env.sh makes that environment)")
-    ap.add_argument("--plot", metavar="PNG", help="draw a chart per workload into PNG")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs)")
     args = ap.parse_args()
     p = QUICK if args.quick else FULL
@@ -528,8 +499,6 @@ def main() -> None:
               "load_avg_1m_after": [{m: r[m]["load_avg_1m_after"] for m in modes}
                                     for r in rounds]}
     result["targets"] = {m: targets(v) for m, v in result["vs_plain"].items()}
-    if args.plot:
-        plot(result, Path(args.plot))
     emit(result)
 
 

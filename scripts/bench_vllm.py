@@ -751,6 +751,8 @@ def main() -> None:
                     help="a smaller model (6 layers, 512 wide), where a step weighs most")
     ap.add_argument("--hit-len", type=int, default=None,
                     help="tokens of the per-hit prompts (default 2,000)")
+    ap.add_argument("--hit-rounds", type=int, default=None,
+                    help="rounds of per-hit pairs (default 3: 12 pairs); more narrow the median")
     ap.add_argument("--crossing", action="store_true",
                     help="only where a CPU-tier hit stops paying to load inside the step: "
                          "hits of 1,000 to 8,000 tokens arriving at 8 decoding requests, in-step "
@@ -779,6 +781,8 @@ def main() -> None:
         p["hidden"] = 512
     if args.hit_len:
         p["hit_len"] = args.hit_len
+    if args.hit_rounds:
+        p["hit_rounds"] = args.hit_rounds
     global STEP_MAX
     STEP_MAX = args.step_max
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-vllm-") as tmp:

@@ -21,7 +21,9 @@ whole output can be saved and passed as is. Charts, one per kind found:
   size, per workload (``scripts/bench_policy.py``);
 - ``write_policy.png``: bytes written to storage per request and the fleet's
   hit rate, per storage write policy, fleet size and routing
-  (``scripts/bench_write_policy.py``).
+  (``scripts/bench_write_policy.py``);
+- ``serve.png``: TTFT p50 and requests/s per mode and workload behind vLLM's
+  OpenAI server (``scripts/bench_serve.py``).
 
 matplotlib is optional: without it the script says so and exits 0.
 """
@@ -252,6 +254,25 @@ def plot_write_policy(plt, results: list[dict], out: Path) -> Path:
     return _save(fig, out / "write_policy.png")
 
 
+def plot_serve(plt, results: list[dict], out: Path) -> Path:
+    """Per workload of the latest ``bench_serve`` run: TTFT p50 and requests/s
+    per mode (medians over its rounds)."""
+    med = results[-1]["medians"]
+    modes, wls = list(med), list(med["plain"])
+    fig, axes = plt.subplots(2, len(wls), figsize=(2.6 * len(wls), 5.2), squeeze=False)
+    for i, wl in enumerate(wls):
+        for row, (key, label) in enumerate((("ttft_p50_ms", "TTFT p50 (ms)"),
+                                            ("request_throughput", "requests/s"))):
+            ax = axes[row][i]
+            ax.bar(modes, [med[m].get(wl, {}).get(key, 0) for m in modes],
+                   color=["#999999", "#1f77b4", "#ff7f0e"][:len(modes)])
+            ax.set_title(wl if row == 0 else "", fontsize=9)
+            ax.set_ylabel(label if i == 0 else "", fontsize=8)
+            ax.tick_params(labelsize=7)
+    fig.suptitle("vLLM's OpenAI server driven by vllm bench serve (CPU build)", fontsize=10)
+    return _save(fig, out / "serve.png")
+
+
 def _kib(n: int) -> str:
     return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
 
@@ -293,11 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         drawn.append(plot_policy(plt, results["policy"], args.out))
     if "write_policy" in results:
         drawn.append(plot_write_policy(plt, results["write_policy"], args.out))
+    if "serve" in results:
+        drawn.append(plot_serve(plt, results["serve"], args.out))
     for p in drawn:
         print(p)
     if not drawn:
-        print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace, vllm, policy "
-              "or write_policy results",
+        print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace, vllm, policy, "
+              "write_policy or serve results",
               file=sys.stderr)
     return 0
 

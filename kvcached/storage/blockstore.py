@@ -47,6 +47,9 @@ _DAMAGED = {"short_read", "bad_magic", "bad_header_crc", "length_mismatch",
             "checksum_mismatch", "wrong_block"}
 
 
+# Keys of other secrets' objects a BlockStore remembers (8 MB at most).
+FOREIGN_MAX = 1 << 16
+
 # storage_encrypt: a store encrypts at most this many bytes of blocks at a time
 # (the ciphertext's buffers), then writes them.
 ENCRYPT_BATCH_BYTES = 16 << 20
@@ -85,11 +88,17 @@ class BlockStore:
         self.counters = Counters("blocks_stored", "blocks_already_stored",
                                  "blocks_store_failed", "blocks_loaded",
                                  "load_misses", "lookups", "lookup_hits", "damaged_deleted",
+                                 "foreign_remembered",
                                  *(f"miss_{r}" for r in MISS_REASONS))
         self._lock = threading.Lock()
         self._free_arenas: list[np.ndarray] = []
         self._pools: dict[tuple[int, int], memoryview] = {}
         self._warned: set[str] = set()
+        # Keys of objects signed with a secret this fleet does not hold (another
+        # fleet's, or a retired secret's): left alone, and from then on misses
+        # at lookup, so that no request is promised a hit that cannot load.
+        # Insertion-ordered, the oldest forgotten first past FOREIGN_MAX.
+        self._foreign: dict[str, None] = {}
 
     @classmethod
     def from_config(cls, cfg, rank: int) -> BlockStore | None:
@@ -199,7 +208,8 @@ class BlockStore:
         self.counters.inc("lookups")
         if not hashes:
             return 0
-        n = _prefix(self.backend.exists(self.keys(hashes)))
+        keys = self.keys(hashes)
+        n = _prefix(self._ours(keys, self.backend.exists(keys)))
         self.counters.inc("lookup_hits", n)
         return n
 
@@ -207,8 +217,8 @@ class BlockStore:
         """:meth:`lookup` of several runs of hashes in one backend call (one
         round trip for a whole scheduler step's requests)."""
         self.counters.inc("lookups", len(runs))
-        flat = [h for run in runs for h in run]
-        found = self.backend.exists(self.keys(flat)) if flat else []
+        keys = self.keys([h for run in runs for h in run])
+        found = self._ours(keys, self.backend.exists(keys)) if keys else []
         out, at = [], 0
         for run in runs:
             out.append(_prefix(found[at:at + len(run)]))
@@ -252,10 +262,25 @@ class BlockStore:
                                    key=keys[i])
             if reason is not None:
                 self._rejected(h, reason)
-                if reason == "bad_mac":  # another secret's object is left alone
-                    return i, not signed_by_other(hdrs[i], self.auth)
-                return i, reason in _DAMAGED
+                if reason == "bad_mac" and signed_by_other(hdrs[i], self.auth):
+                    self._remember_foreign(keys[i])  # left alone: not ours to delete
+                    return i, False
+                return i, reason in _DAMAGED or reason == "bad_mac"
         return len(hashes), False
+
+    def _ours(self, keys: list[str], found: Sequence[bool]) -> list[bool]:
+        """``found`` less the objects known to be another secret's."""
+        if not self._foreign:
+            return list(found)
+        with self._lock:
+            return [f and k not in self._foreign for k, f in zip(keys, found, strict=True)]
+
+    def _remember_foreign(self, key: str) -> None:
+        with self._lock:
+            self._foreign[key] = None
+            if len(self._foreign) > FOREIGN_MAX:
+                del self._foreign[next(iter(self._foreign))]
+        self.counters.inc("foreign_remembered")
 
     def _rejected(self, block_hash: bytes, reason: str) -> None:
         self.counters.inc(f"miss_{reason}")

@@ -303,15 +303,16 @@ def other_fleet(producer, model, tmp_path_factory) -> dict:
 def test_another_fleet_reads_nothing_of_a_fleet_on_one_store(other_fleet, plain):
     """Objects signed with another fleet's secret are misses (bad_mac), never
     data: kvcached serves the other fleet nothing from storage, outputs
-    identical. (vLLM's num_cached_tokens counts what a lookup promised, loads
-    that then failed included: it cannot tell.) The producer's fleet reads
-    nothing of this one's either: the consumer's test."""
+    identical, and counts no storage hit (a refused load is none; vLLM's own
+    num_cached_tokens keeps what the lookup promised: it cannot tell). The
+    producer's fleet reads nothing of this one's either: the consumer's test."""
     g, after = by_set(other_fleet)["g"], by_set(other_fleet)["after"]
     assert g["outputs"] == plain["g"]["outputs"] and after["outputs"] == plain["after"]["outputs"]
     refused = next(s["status"] for s in other_fleet["steps"] if s["step"][0] == "wait_rejected")
     assert bad_macs(refused) >= 1  # the step waited for it
     for st in (refused, status_of(other_fleet)):
         assert loaded(st) == 0, storage_health(st)
+        assert st["stats"]["hit_tokens"]["storage"] == 0, st["stats"]["hit_tokens"]
 
 
 def test_a_producer_saves_and_never_loads(producer, plain):

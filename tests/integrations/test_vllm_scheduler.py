@@ -80,21 +80,64 @@ def test_a_load_with_nothing_to_copy_reports_its_blocks_lost():
     at once and vLLM recomputes the block (the soak's churn found this)."""
     from kvcached.core.manager import EngineLoad
 
-    class Manager:
-        def engine_finish_load(self, plan, results):
-            assert results == []
-            return list(plan.missing)
-
-        def engine_release(self, creq):
-            pass
-    half = half_with()
-    half.mgr, half.stats = Manager(), S.observe.KvcachedStats()
+    half = counting_half(blockwise=[1])
     t = half.reqs["r"]
-    t.request = type("Request", (), {"request_id": "r"})()
+    t.split = (0, 16)
     t.loads.append(S.Load(EngineLoad(None, 0, 1, [7], 0, missing=[7]), [], window=True))
     half.loading = {"r": t}
     assert half._poll_loads(with_failed=True) == ({"r"}, {7}, {"r"})
     assert t.failed and not t.loads and not half.loading
+    # a hybrid's failed load is recomputed whole: no hit
+    assert hits(half) == (0, 0) and half.mgr.counted == [(64, 0, 0, 0)]
+
+
+class CountingManager:
+    """Lands loads (the blocks ``plan.missing`` plus ``lose`` did not arrive) and
+    records the requests counted in the hit statistics."""
+
+    def __init__(self, lose=()):
+        self.lose, self.counted = set(lose), []
+
+    def engine_finish_load(self, plan, results):
+        return sorted(set(plan.missing) | (self.lose & set(plan.device_ids)))
+
+    def engine_release(self, creq):
+        pass
+
+    def count_engine_request(self, prompt, own, cpu, storage):
+        self.counted.append((prompt, own, cpu, storage))
+
+
+def counting_half(blockwise=(), lose=()) -> S.SchedulerHalf:
+    half = half_with()
+    half.mgr, half.stats = CountingManager(lose), S.observe.KvcachedStats()
+    half.chains, half.blockwise = [0], list(blockwise)
+    half.block_size, half.block_bytes = 16, 100
+    half.reqs["r"].request = type("Request", (), {"request_id": "r", "num_tokens": 64})()
+    return half
+
+
+def hits(half) -> tuple[int, int]:
+    c = half.stats.data["counters"]
+    return c["hit_tokens_cpu"], c["hit_tokens_storage"]
+
+
+@pytest.mark.parametrize("lose, want", [((), (16, 32)), ((7,), (16, 0)), ((6,), (0, 0))])
+def test_a_hit_counts_the_tokens_that_arrived(lose, want):
+    """A hit is counted when its load lands, less what did not arrive (a storage
+    object refused on read: a bad MAC) and every block after it (vLLM
+    recomputes from the first missing one): kvcached's hit tokens agree with
+    what it served, in its stats and in vLLM's metrics."""
+    from kvcached.core.manager import EngineLoad
+    half = counting_half(lose=lose)
+    t = half.reqs["r"]
+    t.split, t.own = (16, 32), 16  # block 1 from the CPU tier, 2 and 3 from storage
+    t.loads.append(S.Load(EngineLoad(None, 1, 4, [5, 6, 7, 8], 2), []))
+    half.loading = {"r": t}
+    half._poll_loads(with_failed=True)
+    assert hits(half) == want
+    assert half.stats.data["counters"]["loaded_bytes_storage"] == want[1] // 16 * 100
+    assert half.mgr.counted == [(64, 16, *want)]
 
 
 class SavingManager:

@@ -305,6 +305,28 @@ def test_rotation_first_signs_all_verify(raw):
     assert only_b.stats()["miss_bad_mac"] == 1 and only_b.stats()["damaged_deleted"] == 0
 
 
+def test_another_secrets_objects_are_misses_at_lookup_once_seen(raw, monkeypatch):
+    """An object signed with a secret this fleet does not hold fails its tag
+    once, is left alone (it is another fleet's), and from then on is a miss at
+    lookup: no request is promised a hit that cannot load. The memory of such
+    keys is bounded (the oldest forgotten first)."""
+    import kvcached.storage.blockstore as bsmod
+
+    _, pool, hashes = filled(raw, secrets=(SECRET_A,))
+    b = store(raw, secrets=(SECRET_B,))
+    assert b.lookup(hashes) == N  # the objects exist: only a read tells whose they are
+    assert b.load(hashes[1:], torch.zeros_like(pool), list(range(N - 1))) == 0
+    assert b.lookup(hashes) == 1 and b.lookup_many([hashes, hashes[2:]]) == [1, 2]
+    assert b.stats()["miss_bad_mac"] == 1 and b.stats()["damaged_deleted"] == 0
+    # the owner still reads its object, and another instance of fleet B finds
+    # it until it reads it itself
+    assert store(raw, secrets=(SECRET_A,)).lookup(hashes) == N
+    assert store(raw, secrets=(SECRET_B,)).lookup(hashes) == N
+    monkeypatch.setattr(bsmod, "FOREIGN_MAX", 1)
+    b.load(hashes[2:], torch.zeros_like(pool), list(range(N - 2)))
+    assert b.lookup(hashes) == 2  # hashes[1] forgotten, hashes[2] remembered
+
+
 # ------------------------------------------------------------------ encryption
 def enc_store(raw, ns=NS0, secrets=(SECRET_A,)) -> BlockStore:
     return BlockStore(raw.backend, LAYOUT.digest, 0, 1, ns,

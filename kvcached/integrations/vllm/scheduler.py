@@ -128,6 +128,7 @@ class Tracked:
     loads: list[Load] = field(default_factory=list)  # in flight
     saves: int = 0  # save plans not yet done (planned, or in flight)
     counted: bool = False  # in the hit statistics
+    own: int = 0  # tokens of vLLM's own prefix-cache hit, at the last allocation
     failed: bool = False  # a load failed: the rest of the request computes its KV
     in_step: bool = False  # its hit, as last answered, loads inside the step
     preempted: bool = False  # since its last allocation
@@ -464,20 +465,18 @@ class SchedulerHalf:
         """vLLM allocated the request's blocks: pin the prefix, plan the load."""
         t = self.track(request)
         bs = self.block_size
-        cpu = storage = 0
-        own = t.hit[0] * bs  # vLLM's own prefix-cache hit
+        cpu = 0
+        t.own = t.hit[0] * bs  # vLLM's own prefix-cache hit
         t.preempted = False
         if num_external_tokens > 0:
             local = t.hit[0]
             stop = local + num_external_tokens // bs
             self._renew(t)
             ids = blocks.get_block_ids()
-            cpu = storage = num_external_tokens
+            cpu = num_external_tokens
             for g, creq in zip(self.chains, t.creqs, strict=True):
                 plan = self._load(t, creq, local, list(ids[g]), stop, step=t.in_step)
-                end = min(plan.n_cpu + len(plan.nodes), stop)
                 cpu = min(cpu, max(0, min(plan.n_cpu, stop) - local) * bs)
-                storage = min(storage, max(0, end - local) * bs)
             for g in self.blockwise:
                 # the window's blocks, or the state vLLM resumes from, only:
                 # vLLM's null block stands for the ones before, and nothing
@@ -486,7 +485,6 @@ class SchedulerHalf:
                     plan = self._load(t, self._block(t, g, p), 0, [ids[g][p]], 1, window=True)
                     if not self.chains and plan.n_cpu < 1:
                         cpu = 0  # blockwise groups alone: storage's if any block is
-            storage -= min(cpu, storage)
             self._name(t, stop)  # blocks storage brings into the CPU tier
             self.loads["step" if t.in_step else "async"] += 1
             if t.in_step:
@@ -495,12 +493,37 @@ class SchedulerHalf:
                 self.loading[request.request_id] = t
             t.lookup = t.wlookup = None
         t.split = (cpu, num_external_tokens - cpu)
-        for tier, tokens in zip(observe.TIERS, t.split, strict=True):
+        if not num_external_tokens:
+            self._count_hit(t, 0)
+        # else counted when its loads land: a block that fails to load (a
+        # storage object refused on read) is no hit
+
+    def _count_hit(self, t: Tracked, lost_tokens: int) -> None:
+        """Count the hit the request's last allocation planned, less the tokens
+        whose load failed (and every token after them: vLLM recomputes from
+        the first missing block on)."""
+        bs = self.block_size
+        served = max(0, sum(t.split) - lost_tokens)
+        cpu = min(t.split[0], served)
+        for tier, tokens in zip(observe.TIERS, (cpu, served - cpu), strict=True):
             self.stats.count(f"hit_tokens_{tier}", tokens)
             self.stats.count(f"loaded_bytes_{tier}", tokens // bs * self.block_bytes)
         if not t.counted:
             t.counted = True
-            self.mgr.count_engine_request(request.num_tokens, own, cpu, storage)
+            self.mgr.count_engine_request(t.request.num_tokens, t.own, cpu, served - cpu)
+
+    def _lost_tokens(self, t: Tracked, load: Load, lost: list[int]) -> int:
+        """Tokens of the request's hit that do not arrive, given the engine blocks
+        ``lost`` of one of its loads: a hybrid's whole hit (vLLM computes it all
+        again), else the load's blocks from the first lost one on."""
+        if not lost:
+            return 0
+        if self.blockwise or len(self.chains) > 1:
+            return sum(t.split)
+        plan, gone = load.plan, set(lost)
+        first = next((i for i in range(plan.start, plan.stop) if plan.device_ids[i] in gone),
+                     plan.stop)
+        return (plan.stop - first) * self.block_size
 
     def _load(self, t: Tracked, creq, start: int, ids: list[int], stop: int,
               window: bool = False, step: bool = False) -> EngineLoad:
@@ -904,6 +927,7 @@ class SchedulerHalf:
             lost = self.mgr.engine_finish_load(load.plan, load.results())
             t.failed |= bool(lost)
             self.stats.count("load_failed_blocks", len(lost))
+            self._count_hit(t, self._lost_tokens(t, load, lost))
             if load.parts:
                 self.stats.load_took(time.monotonic() - load.parts[0].submitted)
             t.loads.remove(load)
@@ -932,6 +956,7 @@ class SchedulerHalf:
             if not with_failed and not all(load.clean() for load in t.loads):
                 continue
             now = time.monotonic()
+            gone = 0  # tokens of the hit that did not arrive
             for load in t.loads:
                 lost = self.mgr.engine_finish_load(load.plan, load.results())
                 if load.window:
@@ -940,9 +965,11 @@ class SchedulerHalf:
                 bad.update(lost)
                 if lost:
                     failed.add(rid)
+                gone = max(gone, self._lost_tokens(t, load, lost))
                 self.stats.count("load_failed_blocks", len(lost))
                 if load.parts:  # none when nothing could be planned (all missing)
                     self.stats.load_took(now - min(p.submitted for p in load.parts))
+            self._count_hit(t, gone)
             t.loads.clear()
             del self.loading[rid]
             done.add(rid)  # a finished request's blocks are freed by this too
