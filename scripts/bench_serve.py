@@ -38,6 +38,8 @@ ratios kvcached / plain (medians over rounds); ``scripts/plot_benchmarks.py``
 draws it (``serve.png``).
 
     python scripts/bench_serve.py [--quick] [--rounds N] [--lmcache-python PY]
+                                  [--modes plain,kvcached,kvcached_cpu,lmcache]
+                                  [--workloads all|prefix|chat]
 
 ``--quick`` is a smoke run (a tiny model, few prompts). Progress goes to
 stderr; each server's log to the work directory (``--keep`` keeps it).
@@ -68,7 +70,7 @@ BS = 32  # vLLM's CPU attention needs a multiple of 32
 VOCAB = 1024
 FULL = dict(layers=4, hidden=512, kv_mb=24, max_model_len=4096, max_num_seqs=16, cpu_blocks=2048,
             prefix=dict(prefix_len=512, suffix_len=128, num_prefixes=4, output_len=32,
-                        prompts_per_concurrency={1: 16, 4: 32, 16: 64}),
+                        prompts_per_concurrency={1: 48, 4: 32, 16: 64}),
             chat=dict(users=12, turns=4, system=256, doc=1024, turn=256, answer=32,
                       concurrency=4))
 QUICK = dict(layers=2, hidden=128, kv_mb=2, max_model_len=1024, max_num_seqs=16, cpu_blocks=512,
@@ -112,14 +114,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kvcached_connector(store: Path, cpu_blocks: int, **extra) -> dict:
-    """The README's flag (its run dir named by kvcached, its workers spawned)."""
+def kvcached_connector(store: Path | None, cpu_blocks: int, **extra) -> dict:
+    """The README's flag (its run dir named by kvcached, its workers spawned);
+    ``store`` None: the CPU tier alone."""
+    storage = ({"storage_backend": "file", "storage_url": str(store)} if store
+               else {"storage_backend": "none"})
     return {"kv_connector": "KvcachedConnector",
             "kv_connector_module_path": "kvcached.integrations.vllm", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"num_cpu_blocks": cpu_blocks,
-                                          "storage_backend": "file",
-                                          "storage_url": str(store), **extra}}
+            "kv_connector_extra_config": {"num_cpu_blocks": cpu_blocks, **storage, **extra}}
 
 
 def children(pid: int) -> list[int]:
@@ -355,12 +358,12 @@ def chat_dataset(path: Path, c: dict, seed: int) -> dict:
             "working_set_tokens": sum(last)}
 
 
-def run_workloads(srv: ApiServer, work: Path, p: dict, seed: int) -> dict:
-    """Every workload against one server; per workload the client's numbers
-    and the server's prefill counters over it."""
+def run_workloads(srv: ApiServer, work: Path, p: dict, seed: int, workloads: str) -> dict:
+    """The workloads (``prefix``, ``chat`` or ``all``) against one server; per
+    workload the client's numbers and the server's prefill counters over it."""
     res = {}
     pr = p["prefix"]
-    for conc, n in pr["prompts_per_concurrency"].items():
+    for conc, n in pr["prompts_per_concurrency"].items() if workloads != "chat" else ():
         before = srv.metrics()
         r = bench_client(srv, work, [
             "--dataset-name", "prefix_repetition", "--num-prompts", str(n),
@@ -371,6 +374,8 @@ def run_workloads(srv: ApiServer, work: Path, p: dict, seed: int) -> dict:
             "--max-concurrency", str(conc), "--seed", str(seed * 100 + conc)])
         res[f"prefix_c{conc}"] = {**r, **computed(before, srv.metrics())}
         log(f"  prefix_repetition c={conc}: {summary_line(res[f'prefix_c{conc}'])}")
+    if workloads == "prefix":
+        return res
     c = p["chat"]
     data = work / f"chat-{seed}.jsonl"
     size = chat_dataset(data, c, seed)
@@ -392,10 +397,13 @@ def summary_line(r: dict) -> str:
             f"computed {r['computed_tokens']:.0f}/{r['prompt_tokens']:.0f} tokens")
 
 
-def run_mode(mode: str, model: str, work: Path, p: dict, seed: int, lmc=None) -> dict:
+def run_mode(mode: str, model: str, work: Path, p: dict, seed: int, lmc=None,
+             workloads: str = "all") -> dict:
     connector, env = None, None
     if mode == "kvcached":
         connector = kvcached_connector(work / f"store-{seed}", p["cpu_blocks"])
+    elif mode == "kvcached_cpu":
+        connector = kvcached_connector(None, p["cpu_blocks"])
     elif mode == "lmcache":
         connector, env = lmc.connector(), lmc.env()
     srv = ApiServer(model, work / f"{mode}-{seed}.log", p["kv_mb"], connector,
@@ -404,7 +412,7 @@ def run_mode(mode: str, model: str, work: Path, p: dict, seed: int, lmc=None) ->
         up = srv.wait_ready()
         log(f"{mode} (round seed {seed}): server up in {up:.0f}s on port {srv.port}")
         srv.complete("w1 w2 w3", 2)  # the first forward passes, outside the runs
-        out = run_workloads(srv, work, p, seed)
+        out = run_workloads(srv, work, p, seed, workloads)
     finally:
         srv.stop("SIGINT")
     out["load_avg_1m_after"] = os.getloadavg()[0]
@@ -468,6 +476,11 @@ def main() -> None:
     ap.add_argument("--lmcache-python", metavar="PY",
                     help="LMCache's environment's interpreter: adds LMCache's multi-process "
                          "mode (scripts/setup_lmcache_env.sh makes that environment)")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated, from plain, kvcached, kvcached_cpu (the CPU tier "
+                         "alone, no storage), lmcache (default: plain, kvcached[, lmcache])")
+    ap.add_argument("--workloads", choices=["all", "prefix", "chat"], default="all",
+                    help="which workloads each server serves")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs)")
     args = ap.parse_args()
     p = QUICK if args.quick else FULL
@@ -475,25 +488,30 @@ def main() -> None:
     try:
         model = make_model(str(work / "model"), p["layers"], p["hidden"])
         kv_tokens = (p["kv_mb"] << 20) // kv_bytes_per_token(p["layers"], p["hidden"])
-        modes = ["plain", "kvcached"] + (["lmcache"] if args.lmcache_python else [])
+        modes = (args.modes.split(",") if args.modes else
+                 ["plain", "kvcached"] + (["lmcache"] if args.lmcache_python else []))
+        bad = set(modes) - {"plain", "kvcached", "kvcached_cpu", "lmcache"}
+        if bad or modes[0] != "plain" or ("lmcache" in modes and not args.lmcache_python):
+            ap.error(f"--modes {args.modes}: plain first, then kvcached, kvcached_cpu or "
+                     "lmcache (with --lmcache-python)")
         lmc_cm = (load_script("bench_vllm").LMCacheServer(args.lmcache_python, work)
                   if args.lmcache_python else contextlib.nullcontext())
         rounds = []
         with lmc_cm as lmc:
             for k in range(args.rounds):
-                rounds.append({m: run_mode(m, model, work, p, seed=k + 1, lmc=lmc)
-                               for m in modes})
+                rounds.append({m: run_mode(m, model, work, p, seed=k + 1, lmc=lmc,
+                                           workloads=args.workloads) for m in modes})
     finally:
         if args.keep:
             log(f"work dir kept: {work}")
         else:
             subprocess.run(["rm", "-rf", str(work)], check=False)
-    chat = rounds[0]["plain"]["chat"]
+    chat = rounds[0]["plain"].get("chat", {})
     result = {"bench": "serve", "quick": bool(args.quick), "rounds": args.rounds,
               "model": f"random Llama {p['layers']}x{p['hidden']} float32",
               "vllm_kv_tokens": kv_tokens, "kvcached_cpu_blocks": p["cpu_blocks"],
-              "chat_working_set_tokens": chat["working_set_tokens"],
-              "chat_working_set_vs_kv": chat["working_set_tokens"] / kv_tokens,
+              "chat_working_set_tokens": chat.get("working_set_tokens"),
+              "chat_working_set_vs_kv": chat.get("working_set_tokens", 0) / kv_tokens,
               "medians": {m: medians(rounds, m) for m in modes},
               "vs_plain": {m: ratios(rounds, m) for m in modes if m != "plain"},
               "load_avg_1m_after": [{m: r[m]["load_avg_1m_after"] for m in modes}
