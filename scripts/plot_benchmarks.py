@@ -254,6 +254,10 @@ def plot_write_policy(plt, results: list[dict], out: Path) -> Path:
     return _save(fig, out / "write_policy.png")
 
 
+SERVE_COLORS = {"plain": "#999999", "kvcached": "#1f77b4", "kvcached_cpu": "#7fb3e0",
+                "lmcache": "#ff7f0e"}
+
+
 def plot_serve(plt, results: list[dict], out: Path) -> Path:
     """Per workload of the latest ``bench_serve`` run: TTFT p50 and requests/s
     per mode (medians over its rounds)."""
@@ -265,10 +269,11 @@ def plot_serve(plt, results: list[dict], out: Path) -> Path:
                                             ("request_throughput", "requests/s"))):
             ax = axes[row][i]
             ax.bar(modes, [med[m].get(wl, {}).get(key, 0) for m in modes],
-                   color=["#999999", "#1f77b4", "#ff7f0e"][:len(modes)])
+                   color=[SERVE_COLORS.get(m, "#2ca02c") for m in modes])
             ax.set_title(wl if row == 0 else "", fontsize=9)
             ax.set_ylabel(label if i == 0 else "", fontsize=8)
             ax.tick_params(labelsize=7)
+            ax.tick_params(axis="x", labelrotation=30)
     fig.suptitle("vLLM's OpenAI server driven by vllm bench serve (CPU build)", fontsize=10)
     return _save(fig, out / "serve.png")
 

@@ -101,13 +101,16 @@ def level_from_env(default: str = "INFO") -> int:
     return level if isinstance(level, int) else logging.INFO
 
 
-_handlers: dict[Path, logging.Handler] = {}
+_handlers: dict[Path, list[logging.Handler]] = {}  # per log file: its handlers
 
 
 def setup_process_logging(log_dir: str | os.PathLike, role: str,
-                          also_stderr: bool = False) -> Path:
+                          also_stderr: bool = False, errors_to_stderr: bool = False) -> Path:
     """Send the ``kvcached`` loggers of this process to ``log_dir/<role>.log``
-    (idempotent per file; undo with :func:`stop_process_logging`)."""
+    (idempotent per file; undo with :func:`stop_process_logging`), and to
+    stderr too: every record (``also_stderr``) or errors only
+    (``errors_to_stderr``: an engine's, whose stderr its operator keeps, while
+    a temporary run dir and its logs go when the engine stops)."""
     path = Path(log_dir)
     path.mkdir(parents=True, exist_ok=True)
     file = path / f"{role}.log"
@@ -115,7 +118,7 @@ def setup_process_logging(log_dir: str | os.PathLike, role: str,
         return file
     handler = logging.handlers.RotatingFileHandler(file, maxBytes=MAX_BYTES,
                                                    backupCount=BACKUPS)
-    _handlers[file] = handler
+    _handlers[file] = [handler]
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(_RoleFilter(role))
     limiter = RepeatLimiter(handler)
@@ -124,19 +127,20 @@ def setup_process_logging(log_dir: str | os.PathLike, role: str,
     root = logging.getLogger("kvcached")
     root.setLevel(level_from_env())
     root.addHandler(handler)
-    if also_stderr:
+    if also_stderr or errors_to_stderr:
         err = logging.StreamHandler()
+        err.setLevel(logging.NOTSET if also_stderr else logging.ERROR)
         err.setFormatter(logging.Formatter(FORMAT))
         err.addFilter(_RoleFilter(role))
         err.addFilter(RepeatLimiter(err))
         root.addHandler(err)
+        _handlers[file].append(err)
     return file
 
 
 def stop_process_logging(file: Path) -> None:
     """Detach and close the handler :func:`setup_process_logging` added for ``file``."""
-    handler = _handlers.pop(Path(file), None)
-    if handler is not None:
+    for handler in _handlers.pop(Path(file), []):
         for f in handler.filters:
             if isinstance(f, RepeatLimiter):
                 f.flush()

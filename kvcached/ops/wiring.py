@@ -31,7 +31,7 @@ class CacheManager(core_manager.CacheManager):
         """Start the core (every rank ready), then the configured services."""
         if self._started:
             return self
-        self._log_file = setup_process_logging(self.log_dir, "engine")
+        self._log_file = setup_process_logging(self.log_dir, "engine", errors_to_stderr=True)
         try:
             super().start()
         except BaseException:

@@ -502,7 +502,8 @@ class WorkerTransfer(Transfer):
         w = self.workers[rank]
         if w.state in ("lost", "failed"):
             return
-        logger.error("coordinator: rank %d lost: %s", rank, reason)
+        logger.error("coordinator: rank %d lost: %s%s", rank, reason,
+                     last_words(self.log_dir / f"worker-rank{rank}.stderr"))
         w.state, w.lost_reason = "lost", reason
         # Kill it before failing its tasks: no late copy may land in a block
         # the manager is about to roll back and hand out again. A worker we did
@@ -627,6 +628,19 @@ class WorkerTransfer(Transfer):
                     return False
                 self._ready_cv.wait(min(left, 0.1))
         return True
+
+
+def last_words(path: Path, lines: int = 8, max_bytes: int = 4096) -> str:
+    """The end of a worker's stderr (a traceback, a fatal signal's report), for
+    the engine's log: the run dir holding the file may be gone by the time
+    anyone looks (a temporary one goes when the engine stops). "" if empty."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            tail = f.read().decode("utf-8", "replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "; its stderr ends:\n  " + "\n  ".join(tail) if tail else ""
 
 
 def _runtime_config(cfg: CacheConfig, op: str, args: dict[str, Any]) -> CacheConfig:

@@ -36,6 +36,8 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is installed by `make test`
 
 PROMPTS = {"p": SINGLE, "s": [[11, 300]]}  # s: the tenants' (cache_salt) prompt
 FULL_BLOCKS = sum((n - 1) // BLOCK for _, n in SINGLE)  # of the prompts: 69
+SALTED_BLOCKS = (300 - 1) // BLOCK  # of the tenants' prompt
+TIERS = ("CPU", "STORAGE")  # kvcached's media in vLLM's KV events
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def served(model, storage, tmp_path_factory) -> dict:
              # after a reset: only kvcached's tiers could serve it), then A again
              ["generate", "s", "tenant-a"], ["reset"], ["generate", "s", "tenant-b"],
              ["reset"], ["generate", "s"], ["reset"], ["generate", "s", "tenant-a"],
-             ["status"],
+             ["status"], ["events", {m: FULL_BLOCKS + 3 * SALTED_BLOCKS for m in TIERS}],
              # a frozen worker: its load inside the step runs past its deadline
              ["reset"], ["stop_worker"], ["generate", "p"], ["wait_worker"], ["loads"]]
     extra = {"num_cpu_blocks": 512, "run_dir": str(run_dir), "storage_backend": "file",
@@ -123,10 +125,14 @@ def test_vllm_metrics_count_hits_by_source(served):
 
 def test_vllm_kv_events_name_kvcached_tiers(served):
     """vLLM's KV events carry kvcached's CPU tier and storage (medium CPU,
-    STORAGE), each block named by vLLM's own hash."""
-    ev = next(s["events"] for s in served["steps"] if s["step"][0] == "events")
+    STORAGE), each block named by vLLM's own hash; tenants stay apart there
+    too: the tenants' prompt under salts A, B and none is three sets of
+    blocks in each tier, salt A's second run none more."""
+    ev, after = [s["events"] for s in served["steps"] if s["step"][0] == "events"]
     assert ev["stored"]["CPU"] >= FULL_BLOCKS and ev["stored"]["STORAGE"] >= FULL_BLOCKS, ev
-    assert ev["cpu_named_by_vllm"], ev
+    assert ev["cpu_named_by_vllm"] and after["cpu_named_by_vllm"], (ev, after)
+    for m in TIERS:
+        assert after["stored"][m] - ev["stored"][m] == 3 * SALTED_BLOCKS, (ev, after)
 
 
 def test_killed_worker_is_a_miss_then_comes_back(served, baseline):

@@ -112,3 +112,19 @@ def test_worker_entries_have_the_same_keys_before_the_first_heartbeat(tmp_path):
         wait_for(lambda: worker(mgr)["queues"], 10, "a heartbeat (it fills in the queues)")
         assert set(early) == set(worker(mgr))
     assert {"queues", "done", "fast", "failed", "paused", "storage", "crashes"} <= set(early)
+
+
+def test_a_lost_worker_s_last_words_reach_the_engine_s_stderr(tmp_path, capfd):
+    """A worker that dies takes its run dir's logs with it when that dir is
+    temporary (vLLM's, by default): the engine's error, on its stderr, which
+    the operator keeps, carries the end of the dead worker's stderr."""
+    cfg = tiny_config(**FAST, run_dir=str(tmp_path / "run"), tp_size=1, num_gpu_blocks=8,
+                      num_cpu_blocks=8)
+    with CacheManager(cfg) as mgr:
+        capfd.readouterr()
+        with open(mgr.transfer.log_dir / "worker-rank0.stderr", "a") as f:
+            f.write("Traceback (most recent call last):\nMemoryError: the worker's last words\n")
+        kill_and_wait(mgr, "ready")
+        err = capfd.readouterr().err
+    assert "rank 0 lost: " in err and "; its stderr ends:" in err, err
+    assert "MemoryError: the worker's last words" in err, err

@@ -423,11 +423,15 @@ class SchedulerHalf:
         tier (``n_cpu``, per group) and storage; None until storage's lookup
         answers."""
         wanted = self.mgr.storage_lookup_wanted
-        runs = tuple((i, n) for i, n in enumerate(n_cpu) if n < limit and wanted(n, limit))
-        cap = min([limit] + [n for i, n in enumerate(n_cpu) if (i, n) not in runs])
+        runs, cap = [], limit  # (group, its CPU prefix) storage may extend; the others' cap
+        for i, n in enumerate(n_cpu):
+            if n < limit and wanted(n, limit):
+                runs.append((i, n))
+            elif n < cap:
+                cap = n
         if not runs:
             return cap
-        prefixes = self._looked_up(t, "lookup", (runs, limit), lambda: [
+        prefixes = self._looked_up(t, "lookup", (tuple(runs), limit), lambda: [
             (t.creqs[i], n, limit) for i, n in runs], now)
         if prefixes is None:
             return None
@@ -506,8 +510,9 @@ class SchedulerHalf:
         served = max(0, sum(t.split) - lost_tokens)
         cpu = min(t.split[0], served)
         for tier, tokens in zip(observe.TIERS, (cpu, served - cpu), strict=True):
-            self.stats.count(f"hit_tokens_{tier}", tokens)
-            self.stats.count(f"loaded_bytes_{tier}", tokens // bs * self.block_bytes)
+            if tokens:  # most requests hit nothing: nothing to add
+                self.stats.count(f"hit_tokens_{tier}", tokens)
+                self.stats.count(f"loaded_bytes_{tier}", tokens // bs * self.block_bytes)
         if not t.counted:
             t.counted = True
             self.mgr.count_engine_request(t.request.num_tokens, t.own, cpu, served - cpu)
