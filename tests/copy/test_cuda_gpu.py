@@ -6,7 +6,9 @@ batch), both directions, random non-contiguous ids, exact byte equality.
 Plus stream ordering (a swap-out waits for the model's event, also across
 processes through an IPC event handle, and in the exporting process through
 its own event; a swap-in waits too), both directions at once on their own
-streams, pools above 4 GiB, a kernel fault (a broken context, in a child
+streams, a load inside the engine's step (a transfer worker in another
+process copies it layer by layer, the compute stream waits on each layer's
+event), pools above 4 GiB, a kernel fault (a broken context, in a child
 process), sleep/wakeup releasing and re-mapping the IPC planes, CUDA IPC (a
 second process attaches the exported planes and sees the engine's writes,
 and vice versa), and the manager creating the planes itself (create_cache).
@@ -481,6 +483,106 @@ def test_sleep_unmaps_the_planes_and_wakeup_maps_them_again(lib, tmp_path):
             assert torch.equal(pool.tensor[1, o:o + n], byte_view(p)[3].cpu())
             assert torch.equal(byte_view(p)[5].cpu(), byte_view(p)[3].cpu())
     finally:
+        pool.remove()
+
+
+STEP_CHILD = r"""
+import json, sys
+from kvcached.config import CacheConfig
+from kvcached.tasks import Task
+from kvcached.transfer.executor import RankExecutor
+cfg = CacheConfig.from_dict(json.loads(sys.argv[2]))
+ex = RankExecutor(cfg, sys.argv[1], 0, owner_pid=int(sys.argv[3]))
+ex.open(30)  # the planes, the host pool, the KV event, the channel and its layer events
+print("ready", flush=True)
+task = Task("swap_in_layers", json.loads(sys.argv[4]), json.loads(sys.argv[5]))
+task.task_id = int(sys.stdin.readline())
+print(json.dumps(ex.run(task)), flush=True)
+ex.close()
+"""
+
+
+def _line(proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"child said nothing within {timeout}s: {_err(proc)}")
+    out = proc.stdout.readline().strip()
+    if not out:
+        raise RuntimeError(f"child exited: {_err(proc)}")
+    return out
+
+
+def test_a_load_inside_the_step_is_waited_for_layer_by_layer(lib, tmp_path):
+    """A transfer worker's executor in another process copies a load inside the
+    step layer by layer, recording each layer's event (the engine's, opened by
+    IPC handle from the step progress channel) after its copy; the engine
+    (kvcached.memory.stepwait) waits on the CPU only until a layer is
+    published, then its compute stream waits on that layer's event. The copy is
+    held back on the GPU (it waits on the KV event, recorded after a slow
+    "forward"), so a read of layer i's blocks on the compute stream, enqueued
+    long before, sees the loaded bytes only if the wait orders it after that
+    layer's copy. Every layer holds exactly its host blocks' bytes."""
+    from kvcached.config import CacheConfig
+    from kvcached.memory.hostpool import HostPool as ShmPool
+    from kvcached.memory.kvevent import KVEvent
+    from kvcached.memory.kvshare import export_kv_cache
+    from kvcached.memory.progress import StepProgress, progress_path
+    from kvcached.memory.stepwait import StepWait
+    layers = 3
+    layout = KVLayout(layers, 2, 128, 16, "bfloat16")
+    cfg = CacheConfig.load(device="cuda", num_layers=layers, num_kv_heads=2, head_dim=128,
+                           block_size=16, dtype="bfloat16", num_gpu_blocks=16, num_cpu_blocks=8,
+                           storage_backend=None, run_dir=str(tmp_path))
+    planes = random_planes(layout, 16)
+    per = len(planes) // layers
+    kv_event = KVEvent(tmp_path, 0)
+    events = [torch.cuda.Event(interprocess=True) for _ in range(layers)]
+    chan = StepProgress.create(progress_path(tmp_path, 0), [bytes(e.ipc_handle()) for e in events])
+    export_kv_cache(planes, 0, tmp_path, event=kv_event)
+    pool = ShmPool.create(tmp_path, 0, 8, layout.block_bytes)
+    pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, dtype=torch.uint8))
+    src, dst = [5, 1, 6], [9, 2, 14]
+    err = open(tmp_path / "child.err", "w")  # closed in finally
+    proc = subprocess.Popen([sys.executable, "-c", STEP_CHILD, str(tmp_path),
+                             json.dumps(cfg.to_dict()), str(os.getpid()), json.dumps(src),
+                             json.dumps(dst)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=err, text=True, env=_child_env())
+    proc.stderr_file = err
+    try:
+        assert _line(proc) == "ready"
+        model, compute = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(model):
+            torch.cuda._sleep(1_000_000_000)  # the forward before is still running
+            kv_event.record(model)  # every copy of the load waits for it
+        waits = StepWait(chan, layers, events=events)
+        waits.expect(7, dst, timeout_s=60)
+        proc.stdin.write("7\n")
+        proc.stdin.flush()
+        reads = []
+        with torch.cuda.stream(compute):
+            waits.start()
+            for i in range(layers):
+                waits.layer(i)  # the layer's copy is enqueued, its event recorded
+                reads.append([byte_view(p)[dst].clone() for p in planes[i * per:(i + 1) * per]])
+            waits.finish()
+        assert not model.query(), "the slow forward ended before the reads were enqueued"
+        assert json.loads(_line(proc)) == {"bytes": len(src) * layout.block_bytes}
+        torch.cuda.synchronize()
+        assert waits.take_errors() == set() and chan.state() == (7, layers, False)
+        for i in range(layers):
+            for k in range(per):
+                j = i * per + k
+                o, n = layout.host_offsets[j], layout.plane_bytes[j]
+                want = pool.tensor[src, o:o + n]
+                assert torch.equal(reads[i][k].cpu(), want), f"layer {i} read before its copy"
+                assert torch.equal(byte_view(planes[j])[dst].cpu(), want), f"plane {j}"
+        assert proc.wait(timeout=60) == 0, _err(proc)  # it closed its executor
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        err.close()
+        chan.close()
         pool.remove()
 
 
