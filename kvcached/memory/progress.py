@@ -10,7 +10,7 @@ small file in the run dir, ``step-rank<r>.progress``, mapped by both::
     word 0  magic (MAGIC)
     word 1  pid of the transfer worker writing it (0: none yet)
     word 2  state: task_id << 20 | layers done << 1 | failed
-    word 3  a task the engine gave up on, plus one (0: none)
+    word 3  the last task the engine gave up on, plus one (0: none)
     word 4  how many layer events follow (0: none, the CPU)
     then    on CUDA, one 64-byte IPC handle per layer: the events the transfer
             worker records on its copy stream after each layer's copy
@@ -28,7 +28,10 @@ lane), one reader (the engine's worker for that rank).
 Task ids only grow (the coordinator's counter), so a state naming an older
 task is stale (an earlier load), and one naming a newer task means the
 awaited one will never run (its worker lost it): the reader gives up at once.
-A writer pid that is gone means the same, whatever the state says.
+A writer pid that is gone means the same, whatever the state says. For the
+same reason giving up on a task gives up on every earlier one: each was
+waited for, landed or given up, in its own step, and a writer running late
+must copy none of them.
 
 Giving up must be final: the engine reports the load's blocks as failed and
 vLLM computes them again, so no copy of that task may write them afterwards,
@@ -166,7 +169,7 @@ class StepProgress:
             raise TimeoutError(f"{self.path}: the engine held the step gate for "
                                f"{GATE_WAIT_S}s (it holds it for microseconds)")
         try:
-            if self._words[3] == task_id + 1:
+            if task_id < self._words[3]:
                 raise Cancelled(f"the engine gave up on task {task_id}")
             yield
         finally:
@@ -187,7 +190,7 @@ class StepProgress:
         if not self._lock(deadline):
             return False
         try:
-            self._words[3] = task_id + 1
+            self._words[3] = max(int(self._words[3]), task_id + 1)
         finally:
             self._unlock()
         return True

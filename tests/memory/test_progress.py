@@ -85,6 +85,20 @@ def test_a_cancelled_task_stops_the_writer_before_its_next_layer(chan):
     assert reader.state() == (12, 1, False)
 
 
+def test_giving_up_on_a_task_gives_up_on_every_earlier_one(chan):
+    """A writer that runs late (stopped before task 20 began) while the engine
+    gave up on 20, then on 21, in two steps: it must copy neither."""
+    reader, writer = chan
+    assert reader.cancel(20, soon()) and reader.cancel(21, soon())
+    assert reader.cancel(19, soon())  # an older one changes nothing
+    for task in (19, 20, 21):
+        with pytest.raises(progress.Cancelled):
+            with writer.layer_gate(task):
+                pytest.fail(f"a layer of task {task} was copied")
+    with writer.layer_gate(22):
+        writer.publish(22, 1)
+
+
 # A writer in another process: takes the gate for a layer of task 40 and says
 # "in"; copies once told "go"; leaves the gate and says "out". "die" instead of
 # "go": it exits holding the gate, as a killed worker does.
