@@ -552,7 +552,7 @@ def test_a_load_inside_the_step_is_waited_for_layer_by_layer(lib, tmp_path):
         assert _line(proc) == "ready"
         model, compute = torch.cuda.Stream(), torch.cuda.Stream()
         with torch.cuda.stream(model):
-            torch.cuda._sleep(1_000_000_000)  # the forward before is still running
+            torch.cuda._sleep(2_000_000_000)  # the forward before is still running (~1 s)
             kv_event.record(model)  # every copy of the load waits for it
         waits = StepWait(chan, layers, events=events)
         waits.expect(7, dst, timeout_s=60)
