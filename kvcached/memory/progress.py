@@ -182,6 +182,11 @@ class StepProgress:
     def writer_pid(self) -> int:
         return int(self._words[1])
 
+    def writer_alive(self) -> bool:
+        """Whether a writer attached and still runs (a zombie copies nothing more)."""
+        pid = self.writer_pid()
+        return bool(pid) and _alive(pid)
+
     def cancel(self, task_id: int, deadline: float) -> bool:
         """Give up on ``task_id``: once this returns True, no layer of it is being
         copied and none will be (its blocks may be computed again). False: the

@@ -131,7 +131,9 @@ class StepWait:
         self._task = -1
         if not self.progress.cancel(task, time.monotonic() + self._timeout_s):
             self._stop_writer(task)
-        if self.events is not None:  # the gate is closed: nothing more gets enqueued
+        # The gate is closed: nothing more gets enqueued. A dead writer's copies
+        # died with its CUDA context, and its events may never fire: no wait then.
+        if self.events is not None and self.progress.writer_alive():
             last_task, enqueued, _ = self.progress.state()
             if last_task == task and enqueued > self._ordered:
                 self._order_after(enqueued)

@@ -74,6 +74,7 @@ def test_an_older_task_is_stale_and_a_newer_one_means_lost(chan):
 
 def test_a_cancelled_task_stops_the_writer_before_its_next_layer(chan):
     reader, writer = chan
+    assert reader.writer_alive()  # this process
     with writer.layer_gate(11):  # a layer of task 11 copies...
         writer.publish(11, 1)
     assert reader.cancel(11, soon())  # ...then the engine gives up on it
@@ -189,6 +190,7 @@ def test_a_writer_that_dies_mid_task_ends_the_wait(tmp_path):
     assert reader.wait(21, 2, soon(10)).ok  # what landed before it died is there
     assert reader.wait(21, 3, soon(10)) == progress.Wait("lost", 2)
     assert time.monotonic() - t0 < 1.0
+    assert not reader.writer_alive()
     reader.close()
 
 
