@@ -71,13 +71,17 @@ def test_each_layer_is_waited_for_before_its_attention(chan):
 
 
 def test_without_per_layer_waits_the_whole_load_is_waited_for_first(chan):
+    """Where a full CUDA graph may run the forward, every layer is waited for
+    before it starts: a layer that never lands is given up there, not later."""
     reader, writer = chan
     waits = StepWait(reader, num_layers=2)
-    waits.expect(8, [1], timeout_s=5.0)
-    writer.publish(8, 2)
+    waits.expect(8, [1], timeout_s=0.05)
+    writer.publish(8, 1)  # layer 0 landed, layer 1 never does
     waits.start(layerwise=False)
-    assert waits._seen == 2
-    waits.layer(0)
+    assert waits.take_errors() == {1} and not waits.active
+    waits.expect(9, [2], timeout_s=5.0)
+    writer.publish(9, 2)
+    waits.start(layerwise=False)
     waits.finish()
     assert waits.take_errors() == set() and not waits.active
 
