@@ -599,7 +599,7 @@ def test_a_load_inside_the_step_is_waited_for_layer_by_layer(step_load):
                           for p in rig.planes[i * rig.per:(i + 1) * rig.per]])
         waits.finish()
     assert not model.query(), "the slow forward ended before the reads were enqueued"
-    assert json.loads(_line(rig.proc)) == {"bytes": len(rig.src) * rig.layout.block_bytes}
+    assert json.loads(_line(rig.proc)) == {"bytes": len(rig.src) * sum(rig.layout.plane_bytes)}
     torch.cuda.synchronize()
     assert waits.take_errors() == set() and rig.chan.state() == (7, rig.layers, False)
     for i in range(rig.layers):
@@ -628,7 +628,7 @@ def test_giving_up_orders_later_compute_after_the_copies_enqueued(step_load):
         assert not model.query(), "the copies ran before the engine gave up"
         for p in rig.planes:  # the blocks computed again
             byte_view(p)[rig.dst] = 0xEE
-    assert json.loads(_line(rig.proc)) == {"bytes": len(rig.src) * rig.layout.block_bytes}
+    assert json.loads(_line(rig.proc)) == {"bytes": len(rig.src) * sum(rig.layout.plane_bytes)}
     torch.cuda.synchronize()
     for j, p in enumerate(rig.planes):
         assert bool((byte_view(p)[rig.dst] == 0xEE).all()), f"plane {j}: the copy landed last"
