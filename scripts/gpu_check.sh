@@ -11,6 +11,8 @@
 #   build        90  python -m kvcached.copy.cuda --build (a cached build is reused)
 #   build_tests  45  tests/copy/test_cuda_build.py (ptxas / PTX, validation, emulation)
 #   gpu_tests   100  tests/copy/test_cuda_gpu.py but its big grid: ordering, both directions,
+#                    a load inside the step layer by layer (per-layer events, the compute
+#                    stream waiting on each, and on the copies enqueued when it gives up),
 #                    > 4 GiB pools, a kernel fault, sleep/wakeup, create_cache, IPC, ...
 #   gpu_grid     80  tests/copy/test_cuda_gpu.py's grid: dtype x size x count x mode vs indexed copy
 #                    (either GPU step fails if any test is skipped)
@@ -154,7 +156,7 @@ pytest_step build_tests "a GPU is present" 100 -- -q tests/copy/test_cuda_build.
 
 # ------------------------------------------------------------------ 4. GPU tests
 # The tests that prove most first; the big grid after (a timeout cuts the grid).
-pytest_step gpu_tests "" 25 -- -v --durations=10 tests/copy/test_cuda_gpu.py \
+pytest_step gpu_tests "" 38 -- -v --durations=10 tests/copy/test_cuda_gpu.py \
     -k "not test_matches_indexed_copy"
 pytest_step gpu_grid "" 84 -- -v --durations=10 tests/copy/test_cuda_gpu.py \
     -k test_matches_indexed_copy

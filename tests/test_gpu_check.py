@@ -155,6 +155,7 @@ import sys
 sys.modules["zmq"] = None      # the GPU machine has no pyzmq ...
 sys.modules["msgpack"] = None  # ... and maybe no msgpack
 import kvcached.copy.cuda, kvcached.memory.cuda_ipc, kvcached.memory.kvevent  # noqa
+import kvcached.memory.stepwait, kvcached.transfer.executor  # noqa (a load inside the step)
 from kvcached import CacheConfig, CacheManager
 from kvcached.transfer.inprocess import InProcessTransfer  # noqa
 cfg = CacheConfig.load(transfer_mode="inprocess", control_socket=False, storage_backend=None,
@@ -176,7 +177,8 @@ print("ok")
 
 def test_gpu_machine_imports_work_without_pyzmq(tmp_path):
     """What tests/copy/test_cuda_gpu.py needs (the copy engine, CUDA IPC, the KV event,
-    an in-process manager) imports and runs with zmq and msgpack unavailable."""
+    the executor and the engine's waits of a load inside the step, an in-process
+    manager) imports and runs with zmq and msgpack unavailable."""
     res = subprocess.run([sys.executable, "-c", NO_ZMQ, str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=300,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),

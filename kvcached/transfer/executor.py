@@ -16,8 +16,12 @@ A ``swap_in_layers`` task (a load inside the engine's step) is copied layer
 by layer, each layer published in the rank's step progress channel
 (``kvcached.memory.progress``) as it lands, so that the engine's forward
 pass reads layer i while the layers after it are still being copied. On
-CUDA it is one copy, published whole once it completed (per-layer events
-are not built yet).
+CUDA each layer's copy is enqueued on a stream of the step's own (it never
+waits behind other swap-ins), the channel's layer event i recorded after
+it, and then the layer published: the engine's compute stream waits on
+that event, not the engine's CPU. Every layer is copied (or enqueued)
+under the channel's gate, so a task the engine gave up on copies nothing
+more.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +60,9 @@ class RankExecutor:
         self._broken: Exception | None = None  # a fatal error: CUDA is unusable here
         self._cuda = cfg.device == "cuda"  # copies are ordered after the KV event (_ordered)
         self._progress = None  # the rank's step progress channel (swap_in_layers), if any
-        self._layer_engines = None  # one CPU copy engine per layer, made on first use
+        self._layer_events: list[int] = []  # CUDA: the channel's layer events (raw handles)
+        self._layer_events_opened = False  # opened from IPC handles (ours to destroy)
+        self._layer_engines = None  # one copy engine per layer, made on first use
 
     def open(self, timeout_s: float) -> None:
         """Attach planes (waiting for the engine to export them) and the host pool."""
@@ -77,15 +84,39 @@ class RankExecutor:
         """The step progress channel the engine made for this rank (vLLM's worker
         creates it before exporting its planes); none outside vLLM."""
         from kvcached.memory import progress
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
+        self._close_progress()
         try:
             self._progress = progress.StepProgress.open(progress.progress_path(self.run_dir,
                                                                                self.rank))
         except (FileNotFoundError, ValueError):
             return
         self._progress.attach_writer()
+        if self._cuda and self._progress.event_handles:
+            self._open_layer_events(self._progress.event_handles)
+
+    def _open_layer_events(self, handles: list[bytes]) -> None:
+        """The engine's layer events (CUDA cannot open a process's own IPC handles:
+        in the exporting process they are the engine's own events)."""
+        from kvcached.memory import kvevent
+        local = [kvevent.local_event(h.hex()) for h in handles]
+        if all(e is not None for e in local):
+            self._layer_events = local
+            return
+        from kvcached.copy.cuda import open_ipc_event
+        self._layer_events_opened = True
+        for h in handles:
+            self._layer_events.append(open_ipc_event(h))
+
+    def _close_progress(self) -> None:
+        events = self._layer_events if self._layer_events_opened else []
+        self._layer_events, self._layer_events_opened = [], False
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if events:
+            from kvcached.copy import cuda as kvc
+            for ev in events:
+                kvc.load().event_destroy(ev)
 
     def _make_engine(self):
         offsets = self.cfg.layout.host_offsets
@@ -166,46 +197,82 @@ class RankExecutor:
 
     def _swap_in_layers(self, task: Task) -> int:
         """A swap-in inside the engine's step: layer by layer, each published as it
-        lands; a failure is published too (the engine recomputes the blocks),
-        and a task the engine gave up on stops before its next layer."""
-        prog, tid, layers = self._progress, task.task_id, self.cfg.layout.num_layers
-        done = 0
+        lands (on CUDA: as its copy and its layer event are enqueued), under the
+        channel's gate; a failure is published too (the engine recomputes the
+        blocks), and a task the engine gave up on stops before its next layer."""
+        prog, tid = self._progress, task.task_id
+        done = nbytes = 0
         try:
-            if self._cuda:  # one copy, complete when it returns; then every layer
-                nbytes = self._swap_in(task, task.src, task.dst)
-                done = layers
-                if prog is not None:
-                    prog.publish(tid, done)
-                return nbytes
-            nbytes = 0
-            for engine in self._per_layer():
-                if prog is not None and prog.cancelled(tid):
-                    raise RuntimeError(f"rank {self.rank}: the engine gave up on task {tid} "
-                                       f"after {done} of {layers} layers")
-                nbytes += engine.swap_in(task.src, task.dst)
-                done += 1
-                if prog is not None:
-                    prog.publish(tid, done)
+            if self._cuda and len(self._layer_events) != self.cfg.layout.num_layers:
+                raise RuntimeError(f"rank {self.rank}: a load inside the step on CUDA needs "
+                                   f"the engine's {self.cfg.layout.num_layers} layer events "
+                                   f"in the step progress channel; it has "
+                                   f"{len(self._layer_events)}")
+            engines = self._per_layer()
+            for layer, engine in enumerate(engines):
+                with prog.layer_gate(tid) if prog is not None else nullcontext():
+                    nbytes += self._copy_layer(task, layer, engine)
+                    done += 1
+                    if prog is not None:
+                        prog.publish(tid, done)
+            if self._cuda:  # the Done says every byte landed
+                engines[0].synchronize()
             return nbytes
         except Exception:
             if prog is not None:
                 prog.publish(tid, done, failed=True)
             raise
 
+    def _copy_layer(self, task: Task, layer: int, engine) -> int:
+        if not self._cuda:
+            return engine.swap_in(task.src, task.dst)
+        from kvcached.copy.cuda import H2D
+        # one stream: layer 0's wait on the KV event orders every layer after it
+        order = self._ordered(task) if layer == 0 else {}
+        nbytes = engine.swap_in(task.src, task.dst, sync=False, **order)
+        engine.record_event(self._layer_events[layer], H2D)
+        return nbytes
+
     def _per_layer(self) -> list:
-        """One CPU copy engine per layer: its planes only (layer by layer, in the
-        layout's order), over the same host pool."""
-        if self._layer_engines is None:
+        """One copy engine per layer: its planes only (layer by layer, in the
+        layout's order), over the same host pool. On CUDA they share layer 0's
+        stream (the step's own: a load inside the step never queues behind the
+        other swap-ins)."""
+        if self._layer_engines is not None:
+            return self._layer_engines
+        n = self.cfg.layout.num_layers
+        per = len(self.planes) // n
+        assert per * n == len(self.planes), (len(self.planes), n)
+        offsets = self.cfg.layout.host_offsets
+        engines = []
+        try:
+            for i in range(n):
+                planes, offs = self.planes[i * per:(i + 1) * per], offsets[i * per:(i + 1) * per]
+                engines.append(self._layer_engine(planes, offs, engines[0] if engines else None))
+        except BaseException:
+            self._close_layer_engines(engines)
+            raise
+        self._layer_engines = engines
+        return engines
+
+    def _layer_engine(self, planes, offsets, first):
+        if not self._cuda:
             from kvcached.copy.cpu import CpuCopyEngine
-            n = self.cfg.layout.num_layers
-            per = len(self.planes) // n
-            assert per * n == len(self.planes), (len(self.planes), n)
-            offsets = self.cfg.layout.host_offsets
-            self._layer_engines = [
-                CpuCopyEngine(self.planes[i * per:(i + 1) * per], self.host.tensor,
-                              offsets[i * per:(i + 1) * per], threads=self.cfg.copy_threads)
-                for i in range(n)]
-        return self._layer_engines
+            return CpuCopyEngine(planes, self.host.tensor, offsets, threads=self.cfg.copy_threads)
+        from kvcached.copy.cuda import H2D, CudaCopyEngine
+        cfg = self.cfg
+        return CudaCopyEngine(planes, self.host.tensor, offsets,
+                              mode=(cfg.cuda_copy_d2h, cfg.cuda_copy_h2d),
+                              grid_blocks=cfg.cuda_grid_blocks,
+                              block_threads=cfg.cuda_block_threads,
+                              stream=None if first is None else first.stream_of(H2D))
+
+    @staticmethod
+    def _close_layer_engines(engines) -> None:
+        """Layer 0 owns the shared stream: it goes last."""
+        for engine in reversed(engines or []):
+            if hasattr(engine, "close"):
+                engine.close()
 
     def run(self, task: Task) -> dict[str, Any]:
         """Execute one task on this rank; returns {"bytes": n, ...} (the Done's
@@ -330,13 +397,13 @@ class RankExecutor:
             if final:
                 attempt(self.store.close)
                 self.store = None
+        if self._layer_engines is not None:
+            attempt(self._close_layer_engines, self._layer_engines)
+            self._layer_engines = None
         if self.engine is not None and hasattr(self.engine, "close"):
             attempt(self.engine.close)
         self.engine = None
-        self._layer_engines = None
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
+        attempt(self._close_progress)
         attempt(self._close_event)
         if self._pinned is not None:
             from kvcached.memory.cuda_ipc import unpin

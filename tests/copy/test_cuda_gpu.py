@@ -6,7 +6,9 @@ batch), both directions, random non-contiguous ids, exact byte equality.
 Plus stream ordering (a swap-out waits for the model's event, also across
 processes through an IPC event handle, and in the exporting process through
 its own event; a swap-in waits too), both directions at once on their own
-streams, pools above 4 GiB, a kernel fault (a broken context, in a child
+streams, a load inside the engine's step (a transfer worker in another
+process copies it layer by layer, the compute stream waits on each layer's
+event, and on the copies enqueued when the engine gives up), pools above 4 GiB, a kernel fault (a broken context, in a child
 process), sleep/wakeup releasing and re-mapping the IPC planes, CUDA IPC (a
 second process attaches the exported planes and sees the engine's writes,
 and vice versa), and the manager creating the planes itself (create_cache).
@@ -482,6 +484,155 @@ def test_sleep_unmaps_the_planes_and_wakeup_maps_them_again(lib, tmp_path):
             assert torch.equal(byte_view(p)[5].cpu(), byte_view(p)[3].cpu())
     finally:
         pool.remove()
+
+
+STEP_CHILD = r"""
+import json, sys
+from kvcached.config import CacheConfig
+from kvcached.tasks import Task
+from kvcached.transfer.executor import RankExecutor
+cfg = CacheConfig.from_dict(json.loads(sys.argv[2]))
+ex = RankExecutor(cfg, sys.argv[1], 0, owner_pid=int(sys.argv[3]))
+ex.open(30)  # the planes, the host pool, the KV event, the channel and its layer events
+print("ready", flush=True)
+task = Task("swap_in_layers", json.loads(sys.argv[4]), json.loads(sys.argv[5]))
+task.task_id = int(sys.stdin.readline())
+print(json.dumps(ex.run(task)), flush=True)
+ex.close()
+"""
+
+
+def _line(proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"child said nothing within {timeout}s: {_err(proc)}")
+    out = proc.stdout.readline().strip()
+    if not out:
+        raise RuntimeError(f"child exited: {_err(proc)}")
+    return out
+
+
+@pytest.fixture
+def step_load(lib, tmp_path):
+    """An engine's side of a load inside its step (3 layers of K and V planes,
+    the KV event, one interprocess event per layer in the step progress
+    channel, the host pool) and a transfer worker's executor in another
+    process, attached and ready to copy host blocks ``src`` to ``dst``."""
+    from types import SimpleNamespace
+
+    from kvcached.config import CacheConfig
+    from kvcached.memory.hostpool import HostPool as ShmPool
+    from kvcached.memory.kvevent import KVEvent
+    from kvcached.memory.kvshare import export_kv_cache
+    from kvcached.memory.progress import StepProgress, progress_path
+    layers = 3
+    layout = KVLayout(layers, 2, 128, 16, "bfloat16")
+    cfg = CacheConfig.load(device="cuda", num_layers=layers, num_kv_heads=2, head_dim=128,
+                           block_size=16, dtype="bfloat16", num_gpu_blocks=16, num_cpu_blocks=8,
+                           storage_backend=None, run_dir=str(tmp_path))
+    planes = random_planes(layout, 16)
+    kv_event = KVEvent(tmp_path, 0)
+    events = [torch.cuda.Event(interprocess=True) for _ in range(layers)]
+    chan = StepProgress.create(progress_path(tmp_path, 0), [bytes(e.ipc_handle()) for e in events])
+    export_kv_cache(planes, 0, tmp_path, event=kv_event)
+    pool = ShmPool.create(tmp_path, 0, 8, layout.block_bytes)
+    pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, dtype=torch.uint8))
+    src, dst = [5, 1, 6], [9, 2, 14]
+    err = open(tmp_path / "child.err", "w")  # closed below
+    proc = subprocess.Popen([sys.executable, "-c", STEP_CHILD, str(tmp_path),
+                             json.dumps(cfg.to_dict()), str(os.getpid()), json.dumps(src),
+                             json.dumps(dst)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=err, text=True, env=_child_env())
+    proc.stderr_file = err
+    try:
+        assert _line(proc) == "ready"
+        yield SimpleNamespace(layers=layers, layout=layout, planes=planes,
+                              per=len(planes) // layers, kv_event=kv_event, events=events,
+                              chan=chan, pool=pool, src=src, dst=dst, proc=proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        err.close()
+        chan.close()
+        pool.remove()
+
+
+def _slow_forward_then_load(rig, task_id: int) -> torch.cuda.Stream:
+    """The forward before is still running (~1 s) when the load is sent: every
+    copy of it waits for the KV event recorded after that forward."""
+    model = torch.cuda.Stream()
+    with torch.cuda.stream(model):
+        torch.cuda._sleep(2_000_000_000)
+        rig.kv_event.record(model)
+    rig.proc.stdin.write(f"{task_id}\n")
+    rig.proc.stdin.flush()
+    return model
+
+
+def _host_bytes(rig, plane: int) -> torch.Tensor:
+    o, n = rig.layout.host_offsets[plane], rig.layout.plane_bytes[plane]
+    return rig.pool.tensor[rig.src, o:o + n]
+
+
+def test_a_load_inside_the_step_is_waited_for_layer_by_layer(step_load):
+    """A transfer worker's executor in another process copies a load inside the
+    step layer by layer, recording each layer's event (the engine's, opened by
+    IPC handle from the step progress channel) after its copy; the engine
+    (kvcached.memory.stepwait) waits on the CPU only until a layer is
+    published, then its compute stream waits on that layer's event. The copy is
+    held back on the GPU (it waits for a slow forward), so a read of layer i's
+    blocks on the compute stream, enqueued long before, sees the loaded bytes
+    only if the wait orders it after that layer's copy. Every layer holds
+    exactly its host blocks' bytes."""
+    from kvcached.memory.stepwait import StepWait
+    rig = step_load
+    waits = StepWait(rig.chan, rig.layers, events=rig.events)
+    waits.expect(7, rig.dst, timeout_s=60)
+    model = _slow_forward_then_load(rig, 7)
+    reads = []
+    with torch.cuda.stream(torch.cuda.Stream()):  # the compute stream
+        waits.start()
+        for i in range(rig.layers):
+            waits.layer(i)  # the layer's copy is enqueued, its event recorded
+            reads.append([byte_view(p)[rig.dst].clone()
+                          for p in rig.planes[i * rig.per:(i + 1) * rig.per]])
+        waits.finish()
+    assert not model.query(), "the slow forward ended before the reads were enqueued"
+    assert json.loads(_line(rig.proc)) == {"bytes": len(rig.src) * sum(rig.layout.plane_bytes)}
+    torch.cuda.synchronize()
+    assert waits.take_errors() == set() and rig.chan.state() == (7, rig.layers, False)
+    for i in range(rig.layers):
+        for k in range(rig.per):
+            j = i * rig.per + k
+            assert torch.equal(reads[i][k].cpu(), _host_bytes(rig, j)), f"layer {i} read early"
+            assert torch.equal(byte_view(rig.planes[j])[rig.dst].cpu(), _host_bytes(rig, j))
+    assert rig.proc.wait(timeout=60) == 0, _err(rig.proc)  # it closed its executor
+
+
+def test_giving_up_orders_later_compute_after_the_copies_enqueued(step_load):
+    """The engine gives up on a load whose copies are enqueued but still held
+    back on the GPU (here it waits for a fourth layer that never comes, past a
+    short deadline). Its blocks are computed again, on the compute stream: the
+    give-up makes that stream wait on the last layer enqueued, so the KV
+    computed again is written after the late copy, never overwritten by it."""
+    from kvcached.memory.stepwait import StepWait
+    rig = step_load
+    waits = StepWait(rig.chan, rig.layers + 1, events=rig.events)
+    waits.expect(8, rig.dst, timeout_s=0.2)
+    model = _slow_forward_then_load(rig, 8)
+    with torch.cuda.stream(torch.cuda.Stream()):  # the compute stream
+        waits.start()
+        waits.finish()  # three layers enqueued, the fourth never: given up
+        assert waits.take_errors() == set(rig.dst)
+        assert not model.query(), "the copies ran before the engine gave up"
+        for p in rig.planes:  # the blocks computed again
+            byte_view(p)[rig.dst] = 0xEE
+    assert json.loads(_line(rig.proc)) == {"bytes": len(rig.src) * sum(rig.layout.plane_bytes)}
+    torch.cuda.synchronize()
+    for j, p in enumerate(rig.planes):
+        assert bool((byte_view(p)[rig.dst] == 0xEE).all()), f"plane {j}: the copy landed last"
+    assert rig.proc.wait(timeout=60) == 0, _err(rig.proc)
 
 
 def test_device_identity_matches_the_driver(lib):

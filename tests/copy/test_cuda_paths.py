@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -475,26 +476,60 @@ def test_create_cache_on_cuda_without_a_gpu_fails_at_start(tmp_path):
     assert not kvshare.descriptor_path(cfg.run_dir, 0).exists()
 
 
-def test_a_load_inside_the_step_is_one_ordered_copy_published_whole_on_cuda(tmp_path):
-    """On CUDA a swap_in_layers task is one swap-in, ordered after the engine's
-    KV event like any other, and every layer is published once it returned
-    (the worker half waits for all of them before the forward: a CUDA graph
-    skips the per-layer hooks)."""
-    from kvcached.memory.progress import StepProgress, progress_path
-    ex = RankExecutor(cuda_cfg(tmp_path), tmp_path, 0)
+def test_a_load_inside_the_step_on_cuda_enqueues_each_layer_before_publishing_it(tmp_path):
+    """On CUDA a swap_in_layers task enqueues its layers on one stream: layer 0's
+    copy waits on the engine's KV event (and so every layer after it), each copy
+    is followed by the record of its layer event, and only then is the layer
+    published (the engine's compute stream waits on that event: a wait on an
+    event not yet recorded would wait on nothing); the Done waits for the
+    stream. A task the engine gave up on enqueues nothing, and one without the
+    engine's layer events fails before any copy. (The copies themselves:
+    tests/copy/test_cuda_gpu.py, on a GPU.)"""
+    from kvcached.copy.cuda import H2D
+    from kvcached.memory.progress import Cancelled, StepProgress, progress_path
+    ex = RankExecutor(cuda_cfg(tmp_path, num_layers=3), tmp_path, 0)
+    ex._progress = reader = StepProgress.create(progress_path(tmp_path, 0))
     calls = []
 
-    class Engine:
+    class LayerEngine:
+        def __init__(self, layer):
+            self.layer = layer
+
         def swap_in(self, src, dst, **kw):
-            calls.append((list(src), list(dst), kw))
+            calls.append(("copy", self.layer, list(src), list(dst), kw))
             return 64 * len(src)
-    ex.engine = Engine()
-    ex._event = "the engine's event"
-    ex._progress = reader = StepProgress.create(progress_path(tmp_path, 0))
+
+        def record_event(self, event, direction):
+            calls.append(("record", event, direction, reader.state()))
+
+        def synchronize(self):
+            calls.append(("sync", self.layer, reader.state()))
+
+    ex.engine = "the rank's engine"
+    ex._layer_engines = [LayerEngine(i) for i in range(3)]
+    ex._layer_events = ["ev0", "ev1", "ev2"]
+    ex._event = "the KV event"
     t = Task("swap_in_layers", [3, 4], [5, 6])
     t.task_id = 17
-    assert ex.run(t) == {"bytes": 128}
-    assert calls == [([3, 4], [5, 6], {"wait_event": "the engine's event"})]
-    assert reader.state() == (17, ex.cfg.layout.num_layers, False)
-    ex._progress = None
+    assert ex.run(t) == {"bytes": 384}
+    assert calls == [
+        ("copy", 0, [3, 4], [5, 6], {"sync": False, "wait_event": "the KV event"}),
+        ("record", "ev0", H2D, (0, 0, False)),  # recorded before it is published
+        ("copy", 1, [3, 4], [5, 6], {"sync": False}),
+        ("record", "ev1", H2D, (17, 1, False)),
+        ("copy", 2, [3, 4], [5, 6], {"sync": False}),
+        ("record", "ev2", H2D, (17, 2, False)),
+        ("sync", 0, (17, 3, False))]
+    calls.clear()
+    assert reader.cancel(18, time.monotonic() + 1)
+    t.task_id = 18
+    with pytest.raises(Cancelled):
+        ex.run(t)
+    assert calls == [] and reader.state() == (18, 0, True)
+    ex._layer_events = []
+    t.task_id = 19
+    with pytest.raises(RuntimeError, match="needs the engine's 3 layer events"):
+        ex.run(t)
+    assert calls == [] and reader.state() == (19, 0, True)
+    ex._progress = ex._layer_engines = None
     reader.close()

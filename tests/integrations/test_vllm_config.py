@@ -205,3 +205,21 @@ def test_per_process_hash_seed_warns_when_storage_is_on(tmp_path, monkeypatch):
     ec.cache_config.prefix_caching_hash_algo = "xxhash"
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     assert "never found by the next" in vconfig.check_hashes_reproducible(ec, cfg)
+
+
+def test_in_step_loads_ask_vllm_for_piecewise_cuda_graphs(monkeypatch):
+    """A full CUDA graph replays the forward without wait_for_layer_load: while
+    loads inside the step are on, the connector asks vLLM (its
+    requires_piecewise_for_cudagraph hook, read from the extra config before
+    any engine starts) to keep to piecewise graphs; with them off
+    (step_load_max_blocks = 0, in the extra config or the environment) vLLM
+    keeps its full graphs."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvcached.integrations.vllm.connector import KvcachedConnector
+    assert "requires_piecewise_for_cudagraph" in vars(KVConnectorBase_V1)  # vLLM's hook
+    hook = KvcachedConnector.requires_piecewise_for_cudagraph
+    assert hook({}) and hook({"step_load_max_blocks": 16})
+    assert not hook({"step_load_max_blocks": 0})
+    monkeypatch.setenv("KVCACHED_STEP_LOAD_MAX_BLOCKS", "0")
+    assert not hook({}) and hook({"step_load_max_blocks": "8"})

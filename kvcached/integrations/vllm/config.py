@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcached.config import CacheConfig
+from kvcached.config import CacheConfig, env_name
 
 # Keys vLLM's config decides; the extra config may repeat them, not change them.
 DERIVED = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "tp_size",
@@ -215,6 +215,19 @@ def cache_config(vllm_config, kv_cache_config, fused_kv: bool) -> CacheConfig:
         return CacheConfig.load(**{**extra, **derived, **FIXED})
     except ValueError as e:
         raise ValueError(f"kvcached (kv_connector_extra_config): {e}") from None
+
+
+def step_loads_enabled(extra: dict[str, Any] | None) -> bool:
+    """Whether loads inside the step are on (``step_load_max_blocks`` > 0: from the
+    extra config, else its environment variable, else the default), as vLLM's
+    config asks before the model runs (``requires_piecewise_for_cudagraph``)."""
+    key = "step_load_max_blocks"
+    value = (extra or {}).get(key, os.environ.get(env_name(key),
+                                                  CacheConfig.__dataclass_fields__[key].default))
+    try:
+        return int(value) > 0
+    except (TypeError, ValueError):
+        return True  # CacheConfig.load names the bad value when the connector starts
 
 
 def check_hashes_reproducible(vllm_config, cfg: CacheConfig) -> str | None:

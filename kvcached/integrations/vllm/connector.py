@@ -86,10 +86,10 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # wait_for_layer_load is not waited for: on CUDA the worker half waits
-        # for a load inside the step before the forward starts (start_load_kv),
-        # so a full CUDA graph, which skips the per-layer hooks, stays correct
-        return False
+        # A load inside the step is waited for layer by layer (wait_for_layer_load),
+        # which a full CUDA graph skips: vLLM then keeps to piecewise graphs.
+        # (Were one replayed anyway, the worker half waits for the whole load first.)
+        return vconfig.step_loads_enabled(extra_config)
 
     # ------------------------------------------------------------ scheduler
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -182,7 +182,7 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
                          meta.step_load, meta.failed_loads)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self.worker.start_step_load()  # its copy started when the scheduler sent it
+        self.worker.start_step_load(forward_context)  # its copy started when the scheduler sent it
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_layer(layer_name)

@@ -18,23 +18,26 @@ A load inside the step (a CPU-tier hit vLLM schedules at once) is the one
 thing this half waits for: the transfer worker copies it layer by layer and
 publishes each layer in the rank's step progress channel
 (``kvcached.memory.progress``), and ``wait_layer`` waits, before a layer's
-attention, for that layer only. A load that fails, stalls past its deadline
-or loses its worker is reported through ``take_load_errors`` in the same
-forward pass (vLLM discards that pass's output for the request and
-recomputes the blocks); nothing waits without a deadline. On CUDA the copy
-is published whole, and the wait happens before the forward starts.
+attention, for that layer only (``kvcached.memory.stepwait``: on CUDA the
+compute stream waits on the layer's event, the CPU only until it was
+recorded). A load that fails, stalls past its deadline or loses its worker
+is reported through ``take_load_errors`` in the same forward pass (vLLM
+discards that pass's output for the request and recomputes the blocks), and
+no copy of it lands afterwards; nothing waits without a deadline. Where a
+full CUDA graph may run, the per-layer hooks may not: the whole load is
+waited for before the forward starts.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from kvcached.integrations.vllm import config as vconfig
 from kvcached.memory import kvshare, progress
 from kvcached.memory.rundir import create_run_dir, mark_temporary
+from kvcached.memory.stepwait import StepWait, layerwise
 
 # Through vLLM's logger: its log is where a vLLM operator looks (the run dir).
 logger = logging.getLogger("vllm.kvcached")
@@ -84,10 +87,11 @@ class WorkerHalf:
         self.on_cpu = vllm_config.device_config.device_type == "cpu"
         self.allocations = None  # SharedAllocations: vLLM's KV cache, on CPU
         self.layer_index = {name: i for i, name in enumerate(self.layers)}
-        self.progress: progress.StepProgress | None = None  # made with the planes
-        self.step = None  # this step's load inside the step (connector.StepLoad)
-        self.step_layers = 0  # of its layers, those known to have landed
-        self.step_deadline = 0.0
+        self.waits: StepWait | None = None  # made with the planes
+        # vLLM may replay full CUDA graphs (which skip the per-layer hooks) unless
+        # the connector's requires_piecewise_for_cudagraph turned them off
+        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        self.full_graphs = bool(mode is not None and mode.has_full_cudagraphs())
 
     def mem_pool_context(self):
         """Where vLLM allocates its KV cache: on CPU, shared memory the transfer
@@ -109,9 +113,21 @@ class WorkerHalf:
                 "(get_mem_pool_context was not used), so the transfer worker cannot reach "
                 "it; this vLLM version is not supported on CPU (kvcached needs vLLM 0.32+)")
         # before the planes: a transfer worker opens it when it attaches to them
-        self.progress = progress.StepProgress.create(progress.progress_path(self.run_dir,
-                                                                            self.rank))
+        events = self._layer_events() if self.event is not None else None
+        chan = progress.StepProgress.create(
+            progress.progress_path(self.run_dir, self.rank),
+            [bytes(e.ipc_handle()) for e in events or ()])
+        self.waits = StepWait(chan, len(self.layers), self.rank, events, log=logger)
         kvshare.export_kv_cache(planes, self.rank, self.run_dir, event=self.event)
+
+    def _layer_events(self) -> list:
+        """One interprocess event per layer: the transfer worker records layer i's
+        after its copy, the compute stream waits on it."""
+        from kvcached.memory.kvevent import remember_local_event
+        events = [torch.cuda.Event(interprocess=True) for _ in self.layers]
+        for e in events:  # an in-process executor uses them as they are
+            remember_local_event(bytes(e.ipc_handle()).hex(), e)
+        return events
 
     def after_forward(self) -> None:
         """A forward finished on this rank (vLLM's wait_for_save): on CUDA the KV
@@ -125,52 +141,31 @@ class WorkerHalf:
         self.failed = set(failed)
         self.load_errors = set(load_errors)
         self.saved = set(saved)
-        self.step, self.step_layers, self.step_deadline = None, 0, 0.0
+        if self.waits is not None:
+            self.waits.expect(-1, [], 0.0)  # none, unless this step names one
         if step is not None:
             self.load_errors |= step.failed
-            if step.task_id >= 0 and self.progress is not None:
-                self.step = step
+            if step.task_id >= 0 and self.waits is not None:
+                self.waits.expect(step.task_id, step.blocks, step.timeout_s)
 
     # ------------------------------------------------------ loads in the step
-    def start_step_load(self) -> None:
-        """The forward is about to start. Its deadline starts now; on CUDA the
-        whole load is waited for here (the per-layer hooks do not run inside
-        a CUDA graph; the copy is published whole there anyway)."""
-        if self.step is None:
-            return
-        self.step_deadline = time.monotonic() + self.step.timeout_s
-        if not self.on_cpu:
-            self._wait_layers(len(self.layers))
+    def start_step_load(self, forward_context=None) -> None:
+        """The forward is about to start (its deadline starts now). Where a full CUDA
+        graph may run it, the whole load is waited for here."""
+        if self.waits is not None:
+            mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+            self.waits.start(layerwise(not self.on_cpu, self.full_graphs, mode))
 
     def wait_layer(self, layer_name: str) -> None:
         """Before ``layer_name``'s attention: wait until its planes landed (a
         layer kvcached does not know: all of them)."""
-        if self.step is not None:
-            self._wait_layers(self.layer_index.get(layer_name, len(self.layers) - 1) + 1)
+        if self.waits is not None:
+            self.waits.layer(self.layer_index.get(layer_name, len(self.layers) - 1))
 
     def finish_step_load(self) -> None:
         """After the forward: every layer landed, or the load's blocks are errors."""
-        if self.step is not None:
-            self._wait_layers(len(self.layers))
-            self.step = None
-
-    def _wait_layers(self, layers: int) -> None:
-        step = self.step
-        if step is None or layers <= self.step_layers:
-            return
-        if not self.step_deadline:
-            self.step_deadline = time.monotonic() + step.timeout_s
-        res = self.progress.wait(step.task_id, layers, self.step_deadline)
-        if res.ok:
-            self.step_layers = res.layers
-            return
-        # Recomputed, never used: vLLM reads the errors right after this pass.
-        self.progress.cancel(step.task_id)  # the worker stops before its next layer
-        self.load_errors.update(step.blocks)
-        self.step = None
-        logger.warning("kvcached: rank %d: a load inside the step (task %d, %d blocks) %s "
-                       "after %d of %d layers; vLLM recomputes its blocks", self.rank,
-                       step.task_id, len(step.blocks), res.outcome, res.layers, len(self.layers))
+        if self.waits is not None:
+            self.waits.finish()
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished requests whose saves are done, requests whose loads are,
@@ -181,4 +176,6 @@ class WorkerHalf:
 
     def take_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
+        if self.waits is not None:
+            out |= self.waits.take_errors()
         return out
