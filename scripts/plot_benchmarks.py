@@ -23,7 +23,10 @@ whole output can be saved and passed as is. Charts, one per kind found:
   hit rate, per storage write policy, fleet size and routing
   (``scripts/bench_write_policy.py``);
 - ``serve.png``: TTFT p50 and requests/s per mode and workload behind vLLM's
-  OpenAI server (``scripts/bench_serve.py``).
+  OpenAI server (``scripts/bench_serve.py``);
+- ``serve_trace.png``: a Mooncake slice through vLLM's OpenAI server: tokens
+  from the CPU tier and prefill computed per mode, measured beside the
+  manager's prediction (``scripts/bench_serve_trace.py``).
 
 matplotlib is optional: without it the script says so and exits 0.
 """
@@ -224,6 +227,39 @@ def plot_policy(plt, results: list[dict], out: Path) -> Path:
     return _save(fig, out / "policy.png")
 
 
+def serve_trace_bars(res: dict) -> tuple[list[str], dict[str, list[float | None]]]:
+    """Modes in run order, and per figure (CPU tier tokens, prefill computed;
+    measured and predicted, None where not predicted) one value per mode."""
+    names = list(res["measured"])
+    out: dict[str, list[float | None]] = {}
+    for key in ("cpu_tier_tokens", "computed_tokens"):
+        out[key] = [res["measured"][m][key] for m in names]
+        out[f"predicted_{key}"] = [res["predicted"].get(m, {}).get(key) for m in names]
+    return names, out
+
+
+def plot_serve_trace(plt, results: list[dict], out: Path) -> Path:
+    """Tokens from the CPU tier and prefill computed per mode; dots: predicted."""
+    res = results[-1]
+    names, bars = serve_trace_bars(res)
+    colors = ["tab:gray" if n == "plain" else "tab:orange" if n.startswith("lmcache") else
+              "tab:blue" if n.startswith("adaptive") else "tab:cyan" for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title in ((axes[0], "cpu_tier_tokens", "Prompt tokens from the CPU tier"),
+                           (axes[1], "computed_tokens", "Prefill tokens computed")):
+        xs = list(range(len(names)))
+        ax.bar(xs, bars[key], color=colors, label="measured (vLLM)")
+        pred = [(x, v) for x, v in zip(xs, bars[f"predicted_{key}"]) if v is not None]
+        ax.plot([x for x, _ in pred], [v for _, v in pred], "k_", markersize=14, mew=2,
+                linestyle="none", label="manager replay")
+        ax.set_xticks(xs, names, fontsize=7, rotation=30)
+        ax.set(title=title, ylabel="tokens")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{res['trace']} requests {res['slice']} through vLLM's OpenAI server "
+                 f"(CPU tier in % of the working set)", fontsize=9)
+    return _save(fig, out / "serve_trace.png")
+
+
 WRITE_POLICIES = (("write_through", "tab:blue"), ("write_through_selective", "tab:orange"),
                   ("write_back", "tab:green"))
 
@@ -321,11 +357,13 @@ def main(argv: list[str] | None = None) -> int:
         drawn.append(plot_write_policy(plt, results["write_policy"], args.out))
     if "serve" in results:
         drawn.append(plot_serve(plt, results["serve"], args.out))
+    if "serve_trace" in results:
+        drawn.append(plot_serve_trace(plt, results["serve_trace"], args.out))
     for p in drawn:
         print(p)
     if not drawn:
         print(f"nothing to draw ({found}); expected copy_cpu, cuda, trace, vllm, policy, "
-              "write_policy or serve results",
+              "write_policy, serve or serve_trace results",
               file=sys.stderr)
     return 0
 
