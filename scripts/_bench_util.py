@@ -73,6 +73,18 @@ def short_tmp_dir(prefix: str):
         shutil.rmtree(d, ignore_errors=True)
 
 
+@contextmanager
+def result_file():
+    """Where a benchmark's child writes its result (a file: vLLM's processes
+    share the child's stdout), removed with its directory however the child
+    ends."""
+    d = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-"))
+    try:
+        yield d / "result.json"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def rounded(obj, digits: int = 3):
     """Round floats inside nested dicts/lists for a readable JSON line."""
     if isinstance(obj, dict):

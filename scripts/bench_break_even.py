@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import load_script, log, run_child  # noqa: E402
+from _bench_util import load_script, log, result_file, run_child  # noqa: E402
 
 FULL = dict(layers=6, hidden=1024, kv_mb=56, blocks=(1, 2, 4, 8, 16, 32), prompts=3)
 QUICK = dict(layers=2, hidden=128, kv_mb=6, blocks=(1, 4), prompts=1, one_process=True)
@@ -104,20 +104,18 @@ FORK_SERVER: str | None = None  # --fork-server (the tests' smoke run): see _ben
 
 
 def run_mode_child(name: str, model: str, p: dict, connector: dict, phase: str) -> dict:
-    result = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-")) / "result.json"
-    spec = {"name": name, "model": model, "params": p, "connector": connector,
-            "phase": phase, "kv_mb": p["kv_mb"], "result": str(result)}
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if p.get("one_process") else {})}
     t = time.monotonic()
-    rc = run_child(__file__, ["--child", json.dumps(spec)], env, 3600, FORK_SERVER)
-    if rc or not result.exists():
-        raise SystemExit(f"{name} failed (rc {rc}); its log is above")
+    with result_file() as result:
+        spec = {"name": name, "model": model, "params": p, "connector": connector,
+                "phase": phase, "kv_mb": p["kv_mb"], "result": str(result)}
+        rc = run_child(__file__, ["--child", json.dumps(spec)], env, 3600, FORK_SERVER)
+        if rc or not result.exists():
+            raise SystemExit(f"{name} failed (rc {rc}); its log is above")
+        out = json.loads(result.read_text())
     log(f"{name}: done in {time.monotonic() - t:.0f}s")
-    out = json.loads(result.read_text())
-    result.unlink()
-    result.parent.rmdir()
     return out
 
 

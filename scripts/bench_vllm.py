@@ -102,7 +102,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import log, percentile, run_child  # noqa: E402
+from _bench_util import log, percentile, result_file, run_child  # noqa: E402
 
 BS = 32  # vLLM's CPU attention needs a multiple of 32
 FULL = dict(layers=6, hidden=1024, hit_prompts=4, hit_len=2000, hit_rounds=3,
@@ -422,12 +422,6 @@ FORK_SERVER: str | None = None  # --fork-server (the tests' smoke run): see _ben
 
 def run_mode(name: str, model: str, p: dict, connector: dict | None,
              phases: list[str], max_num_seqs: int = 8, env: dict | None = None) -> dict:
-    # The result travels in a file: vLLM's processes share the child's stdout
-    # and may write to it at any moment, even mid-line.
-    result = Path(tempfile.mkdtemp(prefix="kvcached-bench-result-")) / "result.json"
-    spec = {"name": name, "model": model, "params": p, "connector": connector,
-            "phases": phases, "kv_mb": p["kv_mb"], "result": str(result),
-            "max_num_seqs": max_num_seqs}
     t = time.monotonic()
     # vLLM's own progress stays quiet; its warnings and ours reach stderr.
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
@@ -435,13 +429,15 @@ def run_mode(name: str, model: str, p: dict, connector: dict | None,
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if p.get("one_process") else {}),
            **(env or {})}  # vLLM in one process starts in seconds, not tens
-    rc = run_child(__file__, ["--child", json.dumps(spec)], env, 3600, FORK_SERVER)
-    if rc or not result.exists():
-        raise SystemExit(f"mode {name} failed (rc {rc}); its log is above")
+    with result_file() as result:
+        spec = {"name": name, "model": model, "params": p, "connector": connector,
+                "phases": phases, "kv_mb": p["kv_mb"], "result": str(result),
+                "max_num_seqs": max_num_seqs}
+        rc = run_child(__file__, ["--child", json.dumps(spec)], env, 3600, FORK_SERVER)
+        if rc or not result.exists():
+            raise SystemExit(f"mode {name} failed (rc {rc}); its log is above")
+        out = json.loads(result.read_text())
     log(f"{name}: done in {time.monotonic() - t:.0f}s")
-    out = json.loads(result.read_text())
-    result.unlink()
-    result.parent.rmdir()
     out["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # other work on the machine
     return out
 

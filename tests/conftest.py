@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import tempfile
+import time
 
 import pytest
 from hypothesis import settings
@@ -43,6 +46,21 @@ def _clean_env(monkeypatch, tmp_path_factory):
         if key.startswith("KVCACHED_") and key not in ("KVCACHED_CACHE_DIR", "KVCACHED_LOG_LEVEL"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_rendezvous_files():
+    """vLLM leaves a rendezvous file (``vllm_dist_<uuid>``, torch's FileStore)
+    in the temp dir for every engine it starts, and never removes it; the
+    session removes the ones its engines left, so a run leaves nothing."""
+    start = time.time()
+    yield
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")):
+        try:
+            if os.path.getmtime(path) >= start:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 @pytest.fixture
