@@ -332,6 +332,7 @@ int pol_init(policy_t *p, int64_t capacity, const pol_params_t *params); /* -1: 
 void pol_free(policy_t *p);
 int pol_reserve(policy_t *p, int32_t n); /* room for entries 0 .. n-1 (new ones zeroed) */
 void pol_on_insert(policy_t *p, int32_t i, uint64_t key, uint64_t now);
+void pol_prefetch(const policy_t *p, uint64_t key);
 void pol_on_hit(policy_t *p, int32_t i, uint64_t now);
 void pol_add_leaf(policy_t *p, int32_t i);
 void pol_remove_leaf(policy_t *p, int32_t i);
@@ -363,12 +364,15 @@ static inline void pol_sync(core_t *c, int32_t node) {
     if (c->policy != POLICY_LRU) pol_sync_slow(c, node);
 }
 /* The key a node is known by in the policy's ghost. */
-static inline uint64_t node_key(const core_t *c, int32_t i) {
-    const uint8_t *h = c->nodes[i].hash;
+/* The policy's key of a block hash: its first 8 bytes, little-endian. */
+static inline uint64_t policy_key(const uint8_t *h) {
     uint64_t k = 0;
     for (int b = 7; b >= 0; b--) k = (k << 8) | h[b];
     return k;
 }
+static inline uint64_t node_key(const core_t *c, int32_t i) { return policy_key(c->nodes[i].hash); }
+/* How many blocks ahead an insert loop prefetches the ghost set of. */
+#define GHOST_AHEAD 4
 /* The policy call log (tests): ops, as in tests/reference/policy.py Recorder. */
 enum { PL_INSERT = 1, PL_HIT, PL_ADD, PL_REMOVE, PL_VICTIM, PL_EVICT };
 void pol_log(core_t *c, int t, int op, uint64_t key);

@@ -876,7 +876,10 @@ int core_insert(core_t *c, request_t *r, int32_t *blocks, int32_t full, const ch
     if (full > r->n_hashes) full = r->n_hashes;
     if (ensure_path(r, full) < 0) return -1;
     int32_t parent = r->n_path ? r->path[r->n_path - 1] : ROOT;
+    policy_t *pol = c->pol[T_GPU];
     for (int32_t k = r->n_path; k < full; k++) {
+        if (pol != NULL && k + GHOST_AHEAD < full) /* a new block's insert reads its ghost set */
+            pol_prefetch(pol, policy_key(r->hashes + (size_t)(k + GHOST_AHEAD) * HASH_LEN));
         int32_t i = child_by_hash(c, parent, r->hashes + (size_t)k * HASH_LEN);
         if (i == NIL) {
             i = new_gpu_node(c, r, parent, k, blocks[k]);
