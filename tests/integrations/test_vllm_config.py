@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -157,6 +159,52 @@ def test_a_mamba_hybrid_caches_its_states_in_the_attention_pages(tmp_path):
     cfg = vconfig.cache_config(engine_config(tmp_path), kv, True)
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (1, 2, 64)
     assert cfg.layout.block_bytes == FULL.page_size_bytes
+
+
+def test_the_cuda_checks_hybrid_pages_are_vllms(tmp_path):
+    """The hybrid layout the CUDA copy engine is checked on (tests/copy/hybrid_pages.py,
+    scripts/gpu_check.sh's hybrid step) is vLLM's: vLLM groups the same layers,
+    lays them out and allocates them (LBHNC, its CPU and layer-outermost layout),
+    and kvcached's planes over that allocation (physical_layers, planes_of) are
+    the helper's, byte for byte, in kvcached's layout; each Mamba layer's
+    states start its region's pages."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "copy"))
+    import hybrid_pages as hp
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvcached.integrations.vllm.worker import planes_of
+    attn = {"block_size": hp.BLOCK, "num_kv_heads": hp.HEADS, "head_size": hp.HEAD_SIZE,
+            "dtype": hp.DTYPE}
+    specs = {"sliding": SlidingWindowSpec(**attn, sliding_window=128),
+             "full": FullAttentionSpec(**attn),
+             "mamba": MambaSpec(block_size=hp.BLOCK, shapes=(hp.CONV[0], hp.SSM[0]),
+                                dtypes=(hp.CONV[1], hp.SSM[1]), page_size_padded=hp.PAGE,
+                                mamba_cache_mode="align")}
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    groups = get_kv_cache_groups(vllm_config, {name: specs[kind] for kind, names in
+                                               hp.GROUPS.items() for name in names})
+    assert [g.layer_names for g in groups] == list(hp.GROUPS.values())
+    kv = get_kv_cache_config_from_groups(vllm_config, groups,
+                                         hp.NUM_BLOCKS * hp.REGIONS * hp.PAGE)
+    assert kv.num_blocks == hp.NUM_BLOCKS
+    caches = allocate_kv_cache(kv, torch.device("cpu"), vllm_config.cache_config
+                               .get_resolved_kv_cache_layout())
+    layers = vconfig.physical_layers(kv)
+    planes = planes_of(caches, layers, kv.num_blocks)
+    buf = torch.empty(0, dtype=torch.int8).set_(planes[0].untyped_storage())
+    pages = hp.HybridPages(buf, kv.num_blocks)
+    assert len(planes) == len(pages.planes) == hp.REGIONS
+    for mine, theirs in zip(pages.planes, planes, strict=True):
+        assert (mine.data_ptr(), mine.shape, mine.stride(), mine.dtype) == \
+            (theirs.data_ptr(), theirs.shape, theirs.stride(), theirs.dtype)
+    for r, name in enumerate(hp.GROUPS["mamba"]):
+        assert caches[name].data_ptr() == pages.region(r).data_ptr()
+        assert caches[name].stride(0) == hp.PAGE
+    cfg = vconfig.cache_config(engine_config(tmp_path), kv, fused_kv=True)
+    assert cfg.layout == pages.layout()
 
 
 def test_mamba_groups_kvcached_cannot_cache_are_refused_with_the_fix(tmp_path):
