@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,6 +220,57 @@ def test_mamba_groups_kvcached_cannot_cache_are_refused_with_the_fix(tmp_path):
     refused([KVCacheGroupSpec(["m"], mamba_spec(page=FULL.page_size_bytes * 2)), attn],
             r"group 0 \(MambaSpec\) has \(32, 32768\), the attention layers \(32, 16384\)")
     refused([KVCacheGroupSpec(["m"], mamba_spec())], "has only Mamba layers")
+    padded = replace(FULL, page_size_padded=FULL.page_size_bytes * 2)
+    refused([KVCacheGroupSpec(["m"], mamba_spec(page=FULL.page_size_bytes * 2)),
+             KVCacheGroupSpec(["attn"], padded)], "vLLM padded every attention page")
+
+
+def vllm_grouped(layers: dict, layout: str = "LBHNC") -> KVCacheConfig:
+    """vLLM's own grouping and placement of these layers' specs (no engine)."""
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = layout
+    groups = get_kv_cache_groups(vllm_config, dict(layers))
+    return get_kv_cache_config_from_groups(vllm_config, groups, 64 << 20)
+
+
+def attention(cls=FullAttentionSpec, heads: int = 2, **kw):
+    return cls(block_size=32, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, **kw)
+
+
+def test_pages_of_different_sizes_are_refused_with_the_fix(tmp_path):
+    """vLLM 0.32 makes KV cache groups of different page sizes: in a
+    block-outermost layout it packs a sliding-window group and a full one of
+    half the KV heads side by side in a block; one group holds full-attention
+    layers of different KV heads (UniformTypeKVCacheSpecs); in the default
+    layout the full group gets twice the block size (the same page). kvcached
+    refuses each at start-up, naming the kind and the fix."""
+    sliding = attention(SlidingWindowSpec, sliding_window=128)
+    for kv, match in [
+        (vllm_grouped({"s": sliding, "f": attention(heads=1)}, "BLHNC"),
+         r"\['UniformTypeKVCacheSpecs', 'UniformTypeKVCacheSpecs'\].*names one \(BLHNC"),
+        (vllm_grouped({"a": attention(), "b": attention(heads=1)}),
+         r"\['UniformTypeKVCacheSpecs'\]: pages of different sizes in a group"),
+        (vllm_grouped({"s": sliding, "f": attention(heads=1)}),
+         r"group 1 \(FullAttentionSpec\) has \(64, 16384\), the attention layers \(32, "
+         r"16384\)\. Serve org/model without --kv-transfer-config"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            vconfig.cache_config(engine_config(tmp_path), kv, True)
+
+
+@pytest.mark.parametrize("order", [["s", "f"], ["f", "s"]])
+def test_a_padded_attention_page_is_copied_through_the_layer_that_fills_it(tmp_path, order):
+    """Sliding-window layers of 2 KV heads, full-attention ones of 3: vLLM pads
+    the smaller page to the larger (3:2 does not divide). kvcached's plane is
+    the full-attention layer's whole page, whichever group comes first (the
+    padded layer's view misses a third of a full-attention block)."""
+    layers = {"s": attention(SlidingWindowSpec, sliding_window=128), "f": attention(heads=3)}
+    kv = vllm_grouped({name: layers[name] for name in order})
+    assert vconfig.physical_layers(kv) == ["f"]
+    cfg = vconfig.cache_config(engine_config(tmp_path), kv, True)
+    assert cfg.num_kv_heads == 3 and cfg.layout.block_bytes == layers["f"].page_size_bytes
 
 
 def test_unsupported_models_are_refused_with_the_reason(tmp_path):
@@ -237,7 +289,7 @@ def test_unsupported_models_are_refused_with_the_reason(tmp_path):
             [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["b"], other)]), True)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         vconfig.cache_config(engine_config(tmp_path, pp=2), kv_config(), True)
-    with pytest.raises(ValueError, match="hashes blocks of 16 tokens"):
+    with pytest.raises(ValueError, match="hashes blocks of 16 tokens.*--prefix-match-unit"):
         vconfig.cache_config(engine_config(tmp_path), kv_config(hash_block_size=16), True)
     fp8 = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
                             dtype=torch.float8_e4m3fn)
