@@ -273,6 +273,24 @@ def test_a_padded_attention_page_is_copied_through_the_layer_that_fills_it(tmp_p
     assert cfg.num_kv_heads == 3 and cfg.layout.block_bytes == layers["f"].page_size_bytes
 
 
+def test_vllm_lays_its_kv_cache_out_as_kvcached_copies_it():
+    """Where the attention backends take any layout (FlashAttention on a GPU)
+    vLLM 0.32 prefers tokens outside heads (LBNHC), whose blocks the worker
+    half refuses as planes; with kvcached it lays heads outside (LBHNC), the
+    layout the CPU backend and the CUDA check's pages use."""
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    any_layout = [[layout.name for layout in get_supported_kv_cache_layouts([])]]
+    assert resolve_kv_cache_layout(VllmConfig(), any_layout).name == "LBNHC"
+    served = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KvcachedConnector", kv_connector_module_path="kvcached.integrations.vllm",
+        kv_role="kv_both"))
+    assert resolve_kv_cache_layout(served, any_layout).name == "LBHNC"
+
+
 def test_unsupported_models_are_refused_with_the_reason(tmp_path):
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
     local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
