@@ -8,14 +8,18 @@
 # Steps, each bounded in seconds, all within BUDGET_S (480) together: a step
 # gets at most what is left of the budget.
 #   env          20  the GPU, nvcc, a Python whose torch sees the GPU
-#   build        90  python -m kvcached.copy.cuda --build (a cached build is reused)
+#   build        65  python -m kvcached.copy.cuda --build (a cached build is reused)
 #   build_tests  45  tests/copy/test_cuda_build.py (ptxas / PTX, validation, emulation)
+#   hybrid       25  a hybrid model's pages as vLLM lays them (tests/copy/hybrid_pages.py:
+#                    sliding-window, full-attention and Mamba groups over two regions of one
+#                    allocation, 544-token pages) through every mode and through a transfer
+#                    worker in another process, against the CPU oracle
 #   gpu_tests   100  tests/copy/test_cuda_gpu.py but its big grid: ordering, both directions,
 #                    a load inside the step layer by layer (per-layer events, the compute
 #                    stream waiting on each, and on the copies enqueued when it gives up),
 #                    > 4 GiB pools, a kernel fault, sleep/wakeup, create_cache, IPC, ...
 #   gpu_grid     80  tests/copy/test_cuda_gpu.py's grid: dtype x size x count x mode vs indexed copy
-#                    (either GPU step fails if any test is skipped)
+#                    (every GPU step fails if any test is skipped)
 #   sanitizer    70  compute-sanitizer --tool memcheck over the library-only kernel tests
 #   bench        75  scripts/bench_cuda.py --budget-s 55 (modes, GEMM next to copies, sweep)
 # Everything lands in $OUT as it happens: gpu_check.log (all output, a line per
@@ -40,7 +44,7 @@ export KVCACHED_CACHE_DIR="${KVCACHED_CACHE_DIR:-/tmp/kvcached-cache}"  # build 
 T0=$SECONDS
 FAILED=0
 # name:bound pairs, in order (the dry run checks that they fit the budget)
-PLAN="env:20 build:90 build_tests:45 gpu_tests:100 gpu_grid:80 sanitizer:70 bench:75"
+PLAN="env:20 build:65 build_tests:45 hybrid:25 gpu_tests:100 gpu_grid:80 sanitizer:70 bench:75"
 
 stamp() { echo "=== $(date -u +%FT%TZ) +$((SECONDS - T0))s $*"; }
 record() {  # record NAME RC [NOTE]
@@ -131,8 +135,8 @@ if [ "$GPU" -eq 0 ] || [ "$PY_CUDA" -eq 0 ]; then
     echo "  plan total: ${total}s (budget ${BUDGET_S}s)"
     DRY=0
     [ "$total" -le "$BUDGET_S" ] || { echo "the plan exceeds the budget"; DRY=1; }
-    for f in tests/copy/test_cuda_build.py tests/copy/test_cuda_gpu.py scripts/bench_cuda.py \
-             scripts/_junit_check.py; do
+    for f in tests/copy/test_cuda_build.py tests/copy/test_cuda_gpu.py tests/copy/hybrid_pages.py \
+             scripts/bench_cuda.py scripts/_junit_check.py; do
         [ -f "$f" ] || { echo "missing: $f"; DRY=1; }
     done
     if [ -n "$PY" ]; then  # the GPU tests still import and collect here
@@ -154,14 +158,18 @@ cat "$OUT/build.json"
 # The "no GPU" tests of this file skip here by design; nothing else may.
 pytest_step build_tests "a GPU is present" 100 -- -q tests/copy/test_cuda_build.py
 
-# ------------------------------------------------------------------ 4. GPU tests
+# ------------------------------------------------------- 4. a hybrid model's pages
+# The same round trip test_cuda_build.py emulated in step 3 (its CPU part), on the GPU.
+pytest_step hybrid "" 4 -- -v tests/copy/test_cuda_gpu.py -k hybrid
+
+# ------------------------------------------------------------------ 5. GPU tests
 # The tests that prove most first; the big grid after (a timeout cuts the grid).
 pytest_step gpu_tests "" 38 -- -v --durations=10 tests/copy/test_cuda_gpu.py \
-    -k "not test_matches_indexed_copy"
+    -k "not test_matches_indexed_copy and not hybrid"
 pytest_step gpu_grid "" 84 -- -v --durations=10 tests/copy/test_cuda_gpu.py \
     -k test_matches_indexed_copy
 
-# ------------------------------------------------------------- 5. compute-sanitizer
+# ------------------------------------------------------------- 6. compute-sanitizer
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
        /usr/local/cuda-*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null \
        | head -1 || true)"
@@ -174,7 +182,7 @@ else
         -- -q tests/copy/test_cuda_gpu.py -k lib_only
 fi
 
-# ------------------------------------------------------------------ 6. bench
+# ------------------------------------------------------------------ 7. bench
 run_step bench "$PY" scripts/bench_cuda.py --budget-s 55 --out "$OUT/bench.jsonl"
 record bench $?
 

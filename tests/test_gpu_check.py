@@ -31,6 +31,7 @@ def test_dry_run_says_no_gpu_and_fails(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "env rc=3" in summary and "checks rc=0" in summary, summary
     assert "plan total: 480s (budget 480s)" in res.stdout
+    assert "plan: hybrid <= 25s" in res.stdout  # a hybrid model's pages have their step
     assert "no GPU: dry run" in (out / "gpu_check.log").read_text()
 
 
@@ -119,7 +120,7 @@ def test_steps_get_no_more_than_the_budget_left(tmp_path):
                          text=True, timeout=300)
     assert res.returncode == 1
     rcs = step_rcs(tmp_path / "out")
-    assert rcs.pop("env") == 0 and len(rcs) == 6, rcs
+    assert rcs.pop("env") == 0 and len(rcs) == 7, rcs
     if rcs["sanitizer"] == 1:  # not found: a failure whatever the budget
         assert "compute-sanitizer not found" in (tmp_path / "out" / "summary.txt").read_text()
         del rcs["sanitizer"]
@@ -127,11 +128,25 @@ def test_steps_get_no_more_than_the_budget_left(tmp_path):
     assert "no time left in the budget" in res.stdout
 
 
+def junit_cases(path: Path, prefix: str) -> dict[str, int]:
+    """How the test cases of a JUnit file whose names start with ``prefix`` ended."""
+    import xml.etree.ElementTree as ET
+    out: dict[str, int] = {}
+    for case in ET.parse(path).iter("testcase"):
+        if case.get("name", "").startswith(prefix):
+            ended = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")),
+                         "passed")
+            out[ended] = out.get(ended, 0) + 1
+    return out
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: run it")
 def test_a_run_whose_gpu_tests_skip_fails(tmp_path):
     """Past the dry run (a fake nvidia-smi, a Python that claims a CUDA torch): the
-    build and the build tests pass, but skipped GPU tests, a missing sanitizer and
-    a benchmark that did not measure each fail their step, and the script."""
+    build and the build tests pass (the hybrid pages' round trip among them,
+    emulated), but skipped GPU tests (the hybrid step's too), a missing
+    sanitizer and a benchmark that did not measure each fail their step, and
+    the script."""
     from kvcached.copy import cuda as kvc
     nvcc = kvc.find_nvcc()
     if nvcc is None:
@@ -143,9 +158,12 @@ def test_a_run_whose_gpu_tests_skip_fails(tmp_path):
     log = res.stdout + res.stderr
     assert res.returncode == 1, log[-4000:]
     rc = step_rcs(out)
-    assert rc == {"env": 0, "build": 0, "build_tests": 0, "gpu_tests": 1, "gpu_grid": 1,
-                  "sanitizer": 1, "bench": 2}, rc
+    assert rc == {"env": 0, "build": 0, "build_tests": 0, "hybrid": 1, "gpu_tests": 1,
+                  "gpu_grid": 1, "sanitizer": 1, "bench": 2}, rc
     assert "SKIPPED" in log  # the checker named the skipped GPU tests
+    assert junit_cases(out / "build_tests.xml", "test_hybrid_pages_round_trip_emulated") == \
+        {"passed": 3}
+    assert junit_cases(out / "hybrid.xml", "test_hybrid_pages") == {"skipped": 4}
     assert '"built": true' in (out / "build.json").read_text()
     assert (out / "gpu_tests.xml").exists() and (out / "bench.jsonl").exists()
 

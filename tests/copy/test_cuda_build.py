@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 
+import hybrid_pages as hp
 import numpy as np
 import pytest
 
@@ -794,6 +795,27 @@ def test_sticky_status_classification(lib):
     with pytest.raises(kvc.CudaCopyError) as ei:
         lib.check(Status.CUDA_BASE + 2, "x")
     assert type(ei.value) is kvc.CudaCopyError
+
+
+# ------------------------------------------------------- a hybrid model's pages
+@pytest.mark.parametrize("mode", ["kernel", "direct", "batch"])
+def test_hybrid_pages_round_trip_emulated(build_info, mode):
+    """A hybrid model's KV cache as vLLM lays it (``hybrid_pages``: sliding-window,
+    full-attention and Mamba groups over two regions of one buffer, 544-token
+    pages) through the engine, emulated, against the CPU oracle: every group's
+    block, Mamba states included, comes back whole. gpu_check.sh's ``hybrid``
+    step runs the same on a GPU (test_cuda_gpu.py)."""
+    import torch
+    pages = hp.HybridPages.random(hp.NUM_BLOCKS, "cpu")
+    layout = pages.layout()
+    host = torch.from_numpy(host_pool(layout, hp.NUM_HOST, np.random.default_rng(4)))
+    emu = EmulatedLib(build_info.path)
+    with kvc.CudaCopyEngine([kvc.plane_from_tensor(p) for p in pages.planes], host.data_ptr(),
+                            layout.host_offsets, host_block_bytes=layout.block_bytes,
+                            num_host_blocks=hp.NUM_HOST, num_device_blocks=hp.NUM_BLOCKS,
+                            lib=emu, mode=mode) as engine:
+        hp.check_round_trip(pages, host, hp.OWNERS, hp.HOST_IDS, hp.BACK,
+                            lambda s, h, b: (engine.swap_out(s, h), engine.swap_in(h, b)))
 
 
 # ------------------------------------------- offsets above 4 GiB (sparse files)

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import hybrid_pages as hp
 import numpy as np
 import pytest
 import torch
@@ -181,6 +182,78 @@ def test_padded_and_shifted_planes(lib):
                 check_round_trip(lay, pl, pool, engine, 11, np.random.default_rng(3))
         finally:
             pool.close()
+
+
+# ------------------------------------------------------- a hybrid model's pages
+# scripts/gpu_check.sh runs these as its own step ("hybrid"): sliding-window,
+# full-attention and Mamba groups over two regions of one allocation, as vLLM
+# lays them (tests/copy/hybrid_pages.py), against the CPU oracle.
+def hybrid_copy(engine):
+    return lambda src, host, back: (engine.swap_out(src, host), engine.swap_in(host, back))
+
+
+@pytest.mark.parametrize("mode", ["kernel", "direct", "batch"])
+def test_hybrid_pages_round_trip(lib, mode):
+    pages = hp.HybridPages.random(hp.NUM_BLOCKS, "cuda")
+    layout = pages.layout()
+    torch.cuda.synchronize()  # the engine's stream does not wait for torch's
+    pool = HostPool(layout, hp.NUM_HOST)
+    try:
+        with kvc.CudaCopyEngine(pages.planes, pool.tensor, layout.host_offsets,
+                                mode=mode) as engine:
+            hp.check_round_trip(pages, pool.tensor, hp.OWNERS, hp.HOST_IDS, hp.BACK,
+                                hybrid_copy(engine))
+    finally:
+        pool.close()
+
+
+HYBRID_CHILD = r"""
+import json, sys
+from kvcached.config import CacheConfig
+from kvcached.tasks import Task
+from kvcached.transfer.executor import RankExecutor
+cfg = CacheConfig.from_dict(json.loads(sys.argv[2]))
+src, host, back = json.loads(sys.argv[4])
+ex = RankExecutor(cfg, sys.argv[1], 0, owner_pid=int(sys.argv[3]))
+ex.open(30)
+out = [ex.run(Task("swap_out", src, host))["bytes"], ex.run(Task("swap_in", host, back))["bytes"]]
+ex.close()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_hybrid_pages_through_a_transfer_worker(lib, tmp_path):
+    """The transfer worker's path: the hybrid planes (two regions of one CUDA
+    allocation) exported by CUDA IPC, attached and checked against kvcached's
+    layout in another process, copied there by its executor."""
+    from kvcached.config import CacheConfig
+    from kvcached.memory.hostpool import HostPool as ShmPool
+    from kvcached.memory.kvevent import KVEvent
+    from kvcached.memory.kvshare import export_kv_cache
+    pages = hp.HybridPages.random(hp.NUM_BLOCKS, "cuda")
+    layout = pages.layout()
+    cfg = CacheConfig.load(device="cuda", **layout.to_dict(), num_gpu_blocks=hp.NUM_BLOCKS,
+                           num_cpu_blocks=hp.NUM_HOST, storage_backend=None,
+                           run_dir=str(tmp_path))
+    assert cfg.layout == layout
+    torch.cuda.synchronize()
+    event = KVEvent(tmp_path, 0)
+    export_kv_cache(pages.planes, 0, tmp_path, event=event)
+    pool = ShmPool.create(tmp_path, 0, hp.NUM_HOST, layout.block_bytes)
+
+    def copy(src, host, back):
+        res = subprocess.run([sys.executable, "-c", HYBRID_CHILD, str(tmp_path),
+                              json.dumps(cfg.to_dict()), str(os.getpid()),
+                              json.dumps([src, host, back])],
+                             capture_output=True, text=True, timeout=180, env=_child_env())
+        assert res.returncode == 0, res.stderr[-4000:]
+        moved = json.loads(res.stdout.strip().splitlines()[-1])
+        assert moved == [len(src) * layout.block_bytes] * 2, moved
+
+    try:
+        hp.check_round_trip(pages, pool.tensor, hp.OWNERS, hp.HOST_IDS, hp.BACK, copy)
+    finally:
+        pool.remove()
 
 
 # ------------------------------------------- library only (compute-sanitizer)

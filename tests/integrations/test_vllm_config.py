@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -159,6 +162,52 @@ def test_a_mamba_hybrid_caches_its_states_in_the_attention_pages(tmp_path):
     assert cfg.layout.block_bytes == FULL.page_size_bytes
 
 
+def test_the_cuda_checks_hybrid_pages_are_vllms(tmp_path):
+    """The hybrid layout the CUDA copy engine is checked on (tests/copy/hybrid_pages.py,
+    scripts/gpu_check.sh's hybrid step) is vLLM's: vLLM groups the same layers,
+    lays them out and allocates them (LBHNC, its CPU and layer-outermost layout),
+    and kvcached's planes over that allocation (physical_layers, planes_of) are
+    the helper's, byte for byte, in kvcached's layout; each Mamba layer's
+    states start its region's pages."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "copy"))
+    import hybrid_pages as hp
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvcached.integrations.vllm.worker import planes_of
+    attn = {"block_size": hp.BLOCK, "num_kv_heads": hp.HEADS, "head_size": hp.HEAD_SIZE,
+            "dtype": hp.DTYPE}
+    specs = {"sliding": SlidingWindowSpec(**attn, sliding_window=128),
+             "full": FullAttentionSpec(**attn),
+             "mamba": MambaSpec(block_size=hp.BLOCK, shapes=(hp.CONV[0], hp.SSM[0]),
+                                dtypes=(hp.CONV[1], hp.SSM[1]), page_size_padded=hp.PAGE,
+                                mamba_cache_mode="align")}
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    groups = get_kv_cache_groups(vllm_config, {name: specs[kind] for kind, names in
+                                               hp.GROUPS.items() for name in names})
+    assert [g.layer_names for g in groups] == list(hp.GROUPS.values())
+    kv = get_kv_cache_config_from_groups(vllm_config, groups,
+                                         hp.NUM_BLOCKS * hp.REGIONS * hp.PAGE)
+    assert kv.num_blocks == hp.NUM_BLOCKS
+    caches = allocate_kv_cache(kv, torch.device("cpu"), vllm_config.cache_config
+                               .get_resolved_kv_cache_layout())
+    layers = vconfig.physical_layers(kv)
+    planes = planes_of(caches, layers, kv.num_blocks)
+    buf = torch.empty(0, dtype=torch.int8).set_(planes[0].untyped_storage())
+    pages = hp.HybridPages(buf, kv.num_blocks)
+    assert len(planes) == len(pages.planes) == hp.REGIONS
+    for mine, theirs in zip(pages.planes, planes, strict=True):
+        assert (mine.data_ptr(), mine.shape, mine.stride(), mine.dtype) == \
+            (theirs.data_ptr(), theirs.shape, theirs.stride(), theirs.dtype)
+    for r, name in enumerate(hp.GROUPS["mamba"]):
+        assert caches[name].data_ptr() == pages.region(r).data_ptr()
+        assert caches[name].stride(0) == hp.PAGE
+    cfg = vconfig.cache_config(engine_config(tmp_path), kv, fused_kv=True)
+    assert cfg.layout == pages.layout()
+
+
 def test_mamba_groups_kvcached_cannot_cache_are_refused_with_the_fix(tmp_path):
     def refused(groups, match):
         with pytest.raises(ValueError, match=match):
@@ -171,6 +220,75 @@ def test_mamba_groups_kvcached_cannot_cache_are_refused_with_the_fix(tmp_path):
     refused([KVCacheGroupSpec(["m"], mamba_spec(page=FULL.page_size_bytes * 2)), attn],
             r"group 0 \(MambaSpec\) has \(32, 32768\), the attention layers \(32, 16384\)")
     refused([KVCacheGroupSpec(["m"], mamba_spec())], "has only Mamba layers")
+    padded = replace(FULL, page_size_padded=FULL.page_size_bytes * 2)
+    refused([KVCacheGroupSpec(["m"], mamba_spec(page=FULL.page_size_bytes * 2)),
+             KVCacheGroupSpec(["attn"], padded)], "vLLM padded every attention page")
+
+
+def vllm_grouped(layers: dict, layout: str = "LBHNC") -> KVCacheConfig:
+    """vLLM's own grouping and placement of these layers' specs (no engine)."""
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = layout
+    groups = get_kv_cache_groups(vllm_config, dict(layers))
+    return get_kv_cache_config_from_groups(vllm_config, groups, 64 << 20)
+
+
+def attention(cls=FullAttentionSpec, heads: int = 2, **kw):
+    return cls(block_size=32, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, **kw)
+
+
+def test_pages_of_different_sizes_are_refused_with_the_fix(tmp_path):
+    """vLLM 0.32 makes KV cache groups of different page sizes: in a
+    block-outermost layout it packs a sliding-window group and a full one of
+    half the KV heads side by side in a block; one group holds full-attention
+    layers of different KV heads (UniformTypeKVCacheSpecs); in the default
+    layout the full group gets twice the block size (the same page). kvcached
+    refuses each at start-up, naming the kind and the fix."""
+    sliding = attention(SlidingWindowSpec, sliding_window=128)
+    for kv, match in [
+        (vllm_grouped({"s": sliding, "f": attention(heads=1)}, "BLHNC"),
+         r"\['UniformTypeKVCacheSpecs', 'UniformTypeKVCacheSpecs'\].*names one \(BLHNC"),
+        (vllm_grouped({"a": attention(), "b": attention(heads=1)}),
+         r"\['UniformTypeKVCacheSpecs'\]: pages of different sizes in a group"),
+        (vllm_grouped({"s": sliding, "f": attention(heads=1)}),
+         r"group 1 \(FullAttentionSpec\) has \(64, 16384\), the attention layers \(32, "
+         r"16384\)\. Serve org/model without --kv-transfer-config"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            vconfig.cache_config(engine_config(tmp_path), kv, True)
+
+
+@pytest.mark.parametrize("order", [["s", "f"], ["f", "s"]])
+def test_a_padded_attention_page_is_copied_through_the_layer_that_fills_it(tmp_path, order):
+    """Sliding-window layers of 2 KV heads, full-attention ones of 3: vLLM pads
+    the smaller page to the larger (3:2 does not divide). kvcached's plane is
+    the full-attention layer's whole page, whichever group comes first (the
+    padded layer's view misses a third of a full-attention block)."""
+    layers = {"s": attention(SlidingWindowSpec, sliding_window=128), "f": attention(heads=3)}
+    kv = vllm_grouped({name: layers[name] for name in order})
+    assert vconfig.physical_layers(kv) == ["f"]
+    cfg = vconfig.cache_config(engine_config(tmp_path), kv, True)
+    assert cfg.num_kv_heads == 3 and cfg.layout.block_bytes == layers["f"].page_size_bytes
+
+
+def test_vllm_lays_its_kv_cache_out_as_kvcached_copies_it():
+    """Where the attention backends take any layout (FlashAttention on a GPU)
+    vLLM 0.32 prefers tokens outside heads (LBNHC), whose blocks the worker
+    half refuses as planes; with kvcached it lays heads outside (LBHNC), the
+    layout the CPU backend and the CUDA check's pages use."""
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    any_layout = [[layout.name for layout in get_supported_kv_cache_layouts([])]]
+    assert resolve_kv_cache_layout(VllmConfig(), any_layout).name == "LBNHC"
+    served = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KvcachedConnector", kv_connector_module_path="kvcached.integrations.vllm",
+        kv_role="kv_both"))
+    assert resolve_kv_cache_layout(served, any_layout).name == "LBHNC"
 
 
 def test_unsupported_models_are_refused_with_the_reason(tmp_path):
@@ -189,7 +307,7 @@ def test_unsupported_models_are_refused_with_the_reason(tmp_path):
             [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["b"], other)]), True)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         vconfig.cache_config(engine_config(tmp_path, pp=2), kv_config(), True)
-    with pytest.raises(ValueError, match="hashes blocks of 16 tokens"):
+    with pytest.raises(ValueError, match="hashes blocks of 16 tokens.*--prefix-match-unit"):
         vconfig.cache_config(engine_config(tmp_path), kv_config(hash_block_size=16), True)
     fp8 = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
                             dtype=torch.float8_e4m3fn)

@@ -66,6 +66,17 @@ def cached_groups(kv_cache_config, model: str = "this model") -> list[Group]:
     agree on the page: block size and bytes."""
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if "UniformTypeKVCacheSpecs" in kinds:
+        # vLLM 0.32 builds these for layers of one kind whose pages differ in
+        # size (KV heads or head size per layer), and for every group it packs
+        # side by side in a block-outermost layout (pages of different sizes)
+        raise ValueError(
+            f"kvcached caches KV cache groups whose pages are one size; vLLM groups "
+            f"{model}'s layers as {kinds}: pages of different sizes in a group (KV heads "
+            f"or head size differ between layers) or groups of different page sizes packed "
+            f"into one block (a block-outermost KV cache layout). If VLLM_KV_CACHE_LAYOUT "
+            f"names one (BLHNC, BLNHC, BHLNC), unset it; otherwise serve {model} without "
+            f"--kv-transfer-config")
     unknown = sorted({k for k in kinds if k not in CACHED_KINDS})
     if unknown:
         raise ValueError(
@@ -81,10 +92,14 @@ def cached_groups(kv_cache_config, model: str = "this model") -> list[Group]:
         spec = g.kv_cache_spec
         page = (spec.block_size, spec.page_size_bytes)
         if page != (first.block_size, first.page_size_bytes):
+            # vLLM 0.32 gives a group whose KV bytes per token are a fraction
+            # of another's a larger block (the same page): kvcached keys and
+            # restores blocks of one size
             raise ValueError(
                 f"kvcached needs every KV cache group of {model} to share one page layout "
                 f"(block size, bytes per page); group {i} ({kinds[i]}) has {page}, the "
-                f"attention layers ({first.block_size}, {first.page_size_bytes})")
+                f"attention layers ({first.block_size}, {first.page_size_bytes}). Serve "
+                f"{model} without --kv-transfer-config")
         if kinds[i] in ("FullAttentionSpec", "SlidingWindowSpec") \
                 and spec.head_size_v != spec.head_size:
             raise ValueError(f"kvcached caches K and V of one head size; {model}'s are "
@@ -93,7 +108,8 @@ def cached_groups(kv_cache_config, model: str = "this model") -> list[Group]:
     if hash_block not in (None, first.block_size):
         # kvcached keys one block by one of vLLM's block hashes
         raise ValueError(f"vLLM hashes blocks of {hash_block} tokens but caches blocks of "
-                         f"{first.block_size}; kvcached needs the two equal")
+                         f"{first.block_size}; kvcached needs the two equal: unset "
+                         f"--prefix-match-unit (or set it to {first.block_size})")
     return [Group(i, CACHED_KINDS[k], tuple(g.layer_names),
                   getattr(g.kv_cache_spec, "sliding_window", None) if k == "SlidingWindowSpec"
                   else None)
@@ -119,37 +135,55 @@ def _check_mamba(groups, kinds: list[str], model: str) -> None:
                              "accepted); serve it without --kv-transfer-config or without it")
 
 
+def _fills_page(spec) -> bool:
+    """Whether an attention layer's K|V fill its whole page: vLLM pads a page
+    to the largest one of the model (a Mamba state's, or an attention page
+    that the smaller one does not divide), and a padded layer's view misses
+    the bytes another group's block keeps there."""
+    return (type(spec).__name__ != "MambaSpec"
+            and getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
+            == spec.page_size_bytes)
+
+
 def _attention_spec(kv_cache_config, model: str):
-    """The spec of the model's first attention group: its page (KV heads, head
-    size, dtype) is kvcached's layout; vLLM pads every other group's page to it."""
-    for g in kv_cache_config.kv_cache_groups:
-        if type(g.kv_cache_spec).__name__ != "MambaSpec":
+    """The spec of the model's first attention group whose K|V fill the page:
+    its page (KV heads, head size, dtype) is kvcached's layout; vLLM pads
+    every other group's page to it."""
+    groups = kv_cache_config.kv_cache_groups
+    for g in groups:
+        if _fills_page(g.kv_cache_spec):
             return g.kv_cache_spec
-    raise ValueError(f"kvcached caches models with attention layers; {model} has only "
-                     "Mamba layers")
+    if all(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in groups):
+        raise ValueError(f"kvcached caches models with attention layers; {model} has only "
+                         "Mamba layers")
+    raise ValueError(f"kvcached copies a block through an attention layer whose K and V fill "
+                     f"the page; vLLM padded every attention page of {model} (groups: "
+                     f"{[type(g.kv_cache_spec).__name__ for g in groups]}). Serve it without "
+                     f"--kv-transfer-config")
 
 
 def physical_layers(kv_cache_config) -> list[str]:
     """One layer name per distinct page region, in vLLM's order: the layers of
     different groups that vLLM lays over the same bytes count once (copying a
     block copies whichever group owns it). A region is named by an attention
-    layer where one uses it (its tensor is the region's pages; a Mamba layer's
-    is a list of states). A model of one group has one per layer."""
+    layer whose K|V fill the page (its tensor is the region's pages; a Mamba
+    layer's is a list of states, a padded attention layer's view misses the
+    page's tail). A model of one group has one per layer."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) == 1:
         return list(groups[0].layer_names)
-    mamba = {name for g in groups if type(g.kv_cache_spec).__name__ == "MambaSpec"
-             for name in g.layer_names}
+    whole = {name for g in groups if _fills_page(g.kv_cache_spec) for name in g.layer_names}
     seen: dict[tuple[int, int], str] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         for i, name in enumerate(tensor.layers):
             key = (tensor.offset + i * tensor.layer_stride, tensor.block_stride)
-            if key not in seen or (seen[key] in mamba and name not in mamba):
+            if key not in seen or (seen[key] not in whole and name in whole):
                 seen[key] = name
-    lone = [name for name in seen.values() if name in mamba]
+    lone = [name for name in seen.values() if name not in whole]
     if lone:
-        raise ValueError(f"kvcached needs an attention layer over every page region; "
-                         f"{lone[0]}'s region has Mamba layers only")
+        raise ValueError(f"kvcached needs an attention layer whose K and V fill the page over "
+                         f"every page region; {lone[0]}'s region has none (Mamba states or "
+                         f"an attention page vLLM padded)")
     return list(seen.values())
 
 

@@ -85,6 +85,15 @@ class KvcachedConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a cache: a save that does not happen is a later miss
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        # kvcached's planes are [blocks, heads, tokens, K|V], a block contiguous
+        # in that order: vLLM's LBHNC. Where the attention backends take any
+        # layout (FlashAttention) vLLM prefers LBNHC (tokens outside heads),
+        # which the worker half refuses; and storage holds a page's bytes, so
+        # every instance of a fleet must lay its pages out alike.
+        return "LBHNC"
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # A load inside the step is waited for layer by layer (wait_for_layer_load),
         # which a full CUDA graph skips: vLLM then keeps to piecewise graphs.
