@@ -363,8 +363,8 @@ void pol_sync_slow(core_t *c, int32_t node);
 static inline void pol_sync(core_t *c, int32_t node) {
     if (c->policy != POLICY_LRU) pol_sync_slow(c, node);
 }
-/* The key a node is known by in the policy's ghost. */
-/* The policy's key of a block hash: its first 8 bytes, little-endian. */
+/* The key a block is known by in the policy's ghost: its hash's first 8
+ * bytes, little-endian. */
 static inline uint64_t policy_key(const uint8_t *h) {
     uint64_t k = 0;
     for (int b = 7; b >= 0; b--) k = (k << 8) | h[b];
