@@ -64,6 +64,19 @@ def _vllm_rendezvous_files():
 
 
 @pytest.fixture
+def chan(tmp_path):
+    """A step progress channel: (the engine's reader, a transfer worker's writer)."""
+    from kvcached.memory.progress import StepProgress, progress_path
+    path = progress_path(tmp_path, 0)
+    reader = StepProgress.create(path)
+    writer = StepProgress.open(path)
+    writer.attach_writer()
+    yield reader, writer
+    writer.close()
+    reader.close()
+
+
+@pytest.fixture
 def make_manager(tmp_path):
     """Build started in-process managers on tiny configs; all are closed at teardown."""
     made: list[CacheManager] = []

@@ -17,17 +17,6 @@ from kvcached.memory import progress
 from kvcached.memory.progress import StepProgress
 
 
-@pytest.fixture
-def chan(tmp_path):
-    path = progress.progress_path(tmp_path, 0)
-    reader = StepProgress.create(path)
-    writer = StepProgress.open(path)
-    writer.attach_writer()
-    yield reader, writer
-    writer.close()
-    reader.close()
-
-
 def soon(s: float = 0.05) -> float:
     return time.monotonic() + s
 

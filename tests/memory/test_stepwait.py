@@ -24,17 +24,6 @@ from kvcached.memory.stepwait import StepWait, layerwise
 from kvcached.tasks import Task
 
 
-@pytest.fixture
-def chan(tmp_path):
-    path = progress_path(tmp_path, 0)
-    reader = StepProgress.create(path)
-    writer = StepProgress.open(path)
-    writer.attach_writer()
-    yield reader, writer
-    writer.close()
-    reader.close()
-
-
 def test_which_wait_a_forward_uses():
     """Per layer wherever the per-layer hook runs: always on the CPU; on CUDA
     unless a full CUDA graph may replay the forward (vLLM's cudagraph mode has
